@@ -1,0 +1,333 @@
+"""The ``gradsync`` command.
+
+    gradsync fit --recipe digits --strategy sync --devices 2 --accelerator cpu --max-steps 200 --output-dir runs/a
+    gradsync fit --model my_pkg.MyModel --data my_pkg.MyData --strategy sync --devices 2
+    gradsync fit --config run.yaml --strategy.bucket_cap_mb 50
+    gradsync fit ... --print_config > run.yaml
+    gradsync list
+
+Flags follow the Lightning ecosystem (jsonargparse, as in LightningCLI): the options of the model,
+the data and the strategy are read from their constructors' signatures and spelled
+``--model.<arg>``, ``--data.<arg>``, ``--strategy.<arg>``; ``--config`` loads YAML; precedence is
+flag > config file > default. ``--devices N`` on one machine re-runs the command under torchrun.
+
+A user error prints one line (``gradsync: error: ...``) and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+USAGE = """usage: gradsync {fit,validate,test} [--recipe NAME | --model CLASS --data CLASS] [--strategy NAME] [flags]
+       gradsync list
+       gradsync {fit,validate,test} --help     (flags of the chosen recipe and strategy)"""
+
+COMMANDS = ("fit", "validate", "test")
+
+# Shorthand run flags that set a recipe option: flag -> (component, option).
+ALIASES = {"--lr": ("model", "lr"), "--batch-size": ("data", "batch_size"), "--batch_size": ("data", "batch_size")}
+
+
+class UsageError(Exception):
+    """Bad command-line input: printed as one line, exit status 2."""
+
+
+# ---- phase 1: which classes? ----------------------------------------------------------------
+def _split_flag(arg: str) -> tuple[str, Optional[str]]:
+    if arg.startswith("--") and "=" in arg:
+        k, v = arg.split("=", 1)
+        return k, v
+    return arg, None
+
+
+def _scan(argv: Sequence[str], names: Sequence[str]) -> dict[str, str]:
+    """Last value of each flag in ``names`` (``--x v`` or ``--x=v``)."""
+    found: dict[str, str] = {}
+    i = 0
+    while i < len(argv):
+        key, val = _split_flag(argv[i])
+        if key in names:
+            if val is None:
+                if i + 1 >= len(argv):
+                    raise UsageError(f"{key} needs a value")
+                val = argv[i + 1]
+                i += 1
+            found[key] = val
+        i += 1
+    return found
+
+
+def _from_configs(argv: Sequence[str]) -> dict[str, Any]:
+    """The selector keys (recipe, strategy.name, model_class, data_class) from --config files."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(argv):
+        key, val = _split_flag(argv[i])
+        if key == "--config":
+            if val is None:
+                val = argv[i + 1] if i + 1 < len(argv) else None
+            if not val or not Path(val).is_file():
+                raise UsageError(f"--config: file {val} does not exist")
+            try:
+                cfg = yaml.safe_load(Path(val).read_text()) or {}
+            except yaml.YAMLError as exc:
+                raise UsageError(f"--config: {val} is not valid YAML ({str(exc).splitlines()[0]})") from None
+            if not isinstance(cfg, dict):
+                raise UsageError(f"--config: {val} must hold a mapping of options")
+            for k in ("recipe", "model_class", "data_class"):
+                if cfg.get(k):
+                    out[k] = cfg[k]
+            strat = cfg.get("strategy")
+            if isinstance(strat, dict) and strat.get("name"):
+                out["strategy"] = strat["name"]
+            elif isinstance(strat, str):
+                out["strategy"] = strat
+        i += 1
+    return out
+
+
+def import_class(path: str, flag: str, base: type) -> type:
+    module_name, _, cls_name = path.rpartition(".")
+    if not module_name:
+        raise UsageError(f"{flag} {path!r} is not an import path; give module.Class, e.g. my_pkg.models.MyModel")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UsageError(f"{flag} {path!r}: cannot import module {module_name!r} ({exc})") from None
+    cls = getattr(module, cls_name, None)
+    if not isinstance(cls, type):
+        raise UsageError(f"{flag} {path!r}: module {module_name!r} has no class {cls_name!r}")
+    if not issubclass(cls, base):
+        raise UsageError(f"{flag} {path!r} must be a subclass of {base.__module__}.{base.__qualname__}")
+    return cls
+
+
+def _selectors(argv: Sequence[str]) -> dict[str, Any]:
+    from gradsync.recipes import RECIPES
+
+    sel = {"recipe": "digits", "strategy": "sync", "model_class": None, "data_class": None}
+    sel.update(_from_configs(argv))
+    flags = _scan(argv, ("--recipe", "--strategy", "--model", "--data"))
+    if "--recipe" in flags:
+        sel["recipe"] = flags["--recipe"]
+    if "--strategy" in flags:
+        sel["strategy"] = flags["--strategy"]
+    if "--model" in flags:
+        sel["model_class"] = flags["--model"]
+    if "--data" in flags:
+        sel["data_class"] = flags["--data"]
+    if sel["recipe"] not in RECIPES and not (sel["model_class"] and sel["data_class"]):
+        raise UsageError(f"--recipe {sel['recipe']!r} is unknown; available recipes: {', '.join(RECIPES)}")
+    return sel
+
+
+# ---- phase 2: the full parser for those classes -------------------------------------------
+def build_parser(command: str, sel: dict[str, Any]):
+    import lightning as L
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    from gradsync.recipes import RECIPES
+    from gradsync.strategies import STRATEGIES
+
+    entry = RECIPES.get(sel["recipe"])
+    model_cls = import_class(sel["model_class"], "--model", L.LightningModule) if sel["model_class"] else entry.model
+    data_cls = import_class(sel["data_class"], "--data", L.LightningDataModule) if sel["data_class"] else entry.data
+
+    p = ArgumentParser(prog=f"gradsync {command}", exit_on_error=False, default_env=False,
+                       description=f"gradsync {command}: recipe, strategy and run flags (flag > --config > default)")
+    p.add_argument("--config", action=ActionConfigFile, help="YAML file of options (as --print_config writes)")
+    p.add_argument("--recipe", type=str, default="digits", help="recipe name (see `gradsync list`)")
+    p.add_argument("--model_class", type=Optional[str], default=None,
+                   help="--model module.Class: your own LightningModule (default: the recipe's)")
+    p.add_argument("--data_class", type=Optional[str], default=None,
+                   help="--data module.Class: your own LightningDataModule (default: the recipe's)")
+    p.add_argument("--strategy.name", type=str, default="sync",
+                   help="--strategy NAME: a gradsync strategy or a stock Lightning one such as ddp")
+    p.add_argument("--accelerator", type=str, default="auto", help="cpu | gpu | auto")
+    p.add_argument("--devices", type=int, default=1, help="processes per node (GPUs, or CPU processes)")
+    p.add_argument("--num_nodes", "--num-nodes", type=int, default=1, help="number of nodes")
+    p.add_argument("--max_steps", "--max-steps", type=int, default=-1, help="stop after this many optimizer steps")
+    p.add_argument("--max_epochs", "--max-epochs", type=Optional[int], default=None, help="stop after this many epochs")
+    p.add_argument("--seed", type=int, default=0, help="seed of model init and data order")
+    p.add_argument("--output_dir", "--output-dir", type=Optional[str], default=None,
+                   help="where summary.json and checkpoints/last.ckpt go")
+    p.add_argument("--resume", type=Optional[str], default=None,
+                   help="checkpoint to resume from, or 'auto' for the output dir's last.ckpt if it exists")
+    p.add_argument("--checkpoint_every", "--checkpoint-every", type=int, default=0,
+                   help="also save last.ckpt every N optimizer steps (0: at epoch ends and at the end)")
+    p.add_class_arguments(model_cls, "model", fail_untyped=False)
+    p.add_class_arguments(data_cls, "data", fail_untyped=False)
+    strat_cls = STRATEGIES.get(sel["strategy"])
+    if strat_cls is not None:
+        p.add_class_arguments(strat_cls, "strategy", fail_untyped=False)
+    return p, model_cls, data_cls
+
+
+def _rewrite(argv: Sequence[str]) -> list[str]:
+    """Map the short selector flags onto parser keys; aliases go last so they override --config."""
+    out: list[str] = []
+    tail: list[str] = []
+    renames = {"--strategy": "--strategy.name", "--model": "--model_class", "--data": "--data_class"}
+    i = 0
+    while i < len(argv):
+        key, val = _split_flag(argv[i])
+        if key in renames or key in ALIASES:
+            if val is None:
+                if i + 1 >= len(argv):
+                    raise UsageError(f"{key} needs a value")
+                val = argv[i + 1]
+                i += 1
+            if key in renames:
+                out += [renames[key], val]
+            else:
+                comp, opt = ALIASES[key]
+                tail += [f"--{comp}.{opt}", val]
+        else:
+            out.append(argv[i])
+        i += 1
+    return out + tail
+
+
+def parse_run(command: str, argv: Sequence[str]):
+    """Parse ``argv`` of a fit/validate/test command into a :class:`RunSpec` (or print help/config)."""
+    from jsonargparse import ArgumentError
+
+    from gradsync.platform.run import RunSpec, unknown_strategy_message
+    from gradsync.strategies import STRATEGIES
+
+    sel = _selectors(argv)
+    if sel["strategy"] not in STRATEGIES:
+        from lightning.pytorch.strategies import StrategyRegistry
+
+        if sel["strategy"] not in StrategyRegistry:
+            raise UsageError(unknown_strategy_message(sel["strategy"]))
+    parser, model_cls, data_cls = build_parser(command, sel)
+    try:
+        cfg = parser.parse_args(_rewrite(argv))
+    except ArgumentError as exc:
+        raise UsageError(_one_line(exc)) from None
+    d = cfg.as_dict()
+    d.pop("config", None)
+    _check_run_flags(d)
+    strategy = dict(d.get("strategy") or {})
+    name = strategy.pop("name")
+    spec = RunSpec(
+        command=command, recipe=d["recipe"] if not (d["model_class"] or d["data_class"]) else "custom",
+        model_class=model_cls, model_options=d.get("model") or {},
+        data_class=data_cls, data_options=d.get("data") or {},
+        strategy=name, strategy_options=strategy,
+        accelerator=d["accelerator"], devices=d["devices"], num_nodes=d["num_nodes"],
+        max_steps=d["max_steps"], max_epochs=d["max_epochs"], seed=d["seed"],
+        output_dir=Path(d["output_dir"]) if d["output_dir"] else None, resume=d["resume"],
+        checkpoint_every=d["checkpoint_every"],
+    )
+    if spec.command == "fit" and spec.max_steps == -1 and spec.max_epochs is None:
+        spec.max_epochs = 10
+    return spec
+
+
+def _check_run_flags(d: dict) -> None:
+    rules = [
+        ("--devices", d["devices"], d["devices"] >= 1, "must be >= 1 (processes per node)"),
+        ("--num-nodes", d["num_nodes"], d["num_nodes"] >= 1, "must be >= 1"),
+        ("--max-steps", d["max_steps"], d["max_steps"] == -1 or d["max_steps"] >= 1, "must be >= 1 (or -1: no limit)"),
+        ("--max-epochs", d["max_epochs"], d["max_epochs"] is None or d["max_epochs"] >= 1, "must be >= 1"),
+        ("--checkpoint-every", d["checkpoint_every"], d["checkpoint_every"] >= 0, "must be >= 0 steps"),
+        ("--accelerator", d["accelerator"], d["accelerator"] in ("cpu", "gpu", "cuda", "auto"),
+         "must be cpu, gpu or auto"),
+    ]
+    for flag, value, ok, rule in rules:
+        if not ok:
+            raise UsageError(f"{flag} {value}: {rule}")
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text[:400]
+
+
+def _option_error_flag(component: str, option: str) -> str:
+    for flag, (comp, opt) in ALIASES.items():
+        if comp == component and opt == option and "_" not in flag:
+            return flag
+    return f"--{component}.{option}"
+
+
+def validate_spec(spec) -> None:
+    """Construct the parts once, cheaply, so bad values fail before any process is launched."""
+    from gradsync.errors import OptionError
+    from gradsync.platform.run import build_strategy, resolve_checkpoint_to_resume
+
+    for component, build in (("model", lambda: spec.model_class(**spec.model_options)),
+                             ("data", lambda: spec.data_class(**spec.data_options)),
+                             ("strategy", lambda: build_strategy(spec.strategy, spec.strategy_options))):
+        try:
+            build()
+        except OptionError as exc:
+            flag = _option_error_flag(component, exc.option)
+            raise UsageError(f"{flag} {exc.value}: {exc.rule}" + (f" ({exc.fix})" if exc.fix else "")) from None
+        except (TypeError, ValueError) as exc:
+            raise UsageError(f"--{component}: {_one_line(exc)}") from None
+    resolve_checkpoint_to_resume(spec)
+
+
+# ---- commands -------------------------------------------------------------------------------
+def cmd_list() -> int:
+    from gradsync.recipes import RECIPES
+    from gradsync.strategies import STRATEGIES
+
+    print("Recipes (--recipe NAME):")
+    for name, entry in RECIPES.items():
+        print(f"  {name:<14} {entry.description}")
+    print("Strategies (--strategy NAME; options as --strategy.<option>):")
+    for name, cls in STRATEGIES.items():
+        print(f"  {name:<14} {cls.describe()}")
+    print("Any stock Lightning strategy name (e.g. ddp) works too.")
+    return 0
+
+
+def cmd_run(command: str, argv: list[str]) -> int:
+    from gradsync.platform.launch import inside_launcher, run_torchrun, torchrun_command
+
+    spec = parse_run(command, argv)  # --help / --print_config exit inside jsonargparse
+    launching = spec.devices > 1 and not inside_launcher()
+    if not inside_launcher():
+        validate_spec(spec)
+    if launching:
+        if spec.num_nodes > 1:
+            raise UsageError("--num-nodes > 1 needs a multi-node launcher; start gradsync under torchrun or srun")
+        return run_torchrun(torchrun_command([command, *argv], nproc_per_node=spec.devices))
+    from gradsync.platform.run import execute
+
+    execute(spec)
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    os.environ.setdefault("WANDB_SILENT", "true")
+    from gradsync.errors import GradsyncError
+
+    try:
+        if not argv or argv[0] in ("-h", "--help"):
+            print(USAGE)
+            return 0 if argv else 2
+        command, rest = argv[0], argv[1:]
+        if command == "list":
+            return cmd_list()
+        if command in COMMANDS:
+            return cmd_run(command, rest)
+        raise UsageError(f"unknown command {command!r}; choose one of fit, validate, test, list")
+    except (UsageError, GradsyncError) as exc:
+        print(f"gradsync: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""User-facing errors. The CLI prints these as one line and exits with status 2."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class GradsyncError(Exception):
+    """A problem the user can fix; its message is complete on one line."""
+
+
+class OptionError(GradsyncError, ValueError):
+    """An option has a value that breaks a rule. The message names option, value, rule and fix."""
+
+    def __init__(self, option: str, value: Any, rule: str, fix: str = "") -> None:
+        self.option, self.value, self.rule, self.fix = option, value, rule, fix
+        msg = f"{option}={value!r} is invalid: {rule}"
+        if fix:
+            msg += f" ({fix})"
+        super().__init__(msg)
+
+
+def check(ok: bool, option: str, value: Any, rule: str, fix: str = "") -> None:
+    """Raise :class:`OptionError` unless ``ok``."""
+    if not ok:
+        raise OptionError(option, value, rule, fix)

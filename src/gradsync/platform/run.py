@@ -1,0 +1,280 @@
+"""Assemble and run one job: strategy, recipe, Trainer, checkpoints, run summary.
+
+The CLI parses flags into a :class:`RunSpec`; :func:`execute` builds the parts, trains, and writes
+``DIR/summary.json`` and ``DIR/checkpoints/last.ckpt`` (DESIGN.md "Run output").
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import Strategy, StrategyRegistry
+
+from gradsync.errors import GradsyncError, check
+from gradsync.platform.checkpoint import AtomicCheckpointIO, atomic_torch_save, load_checkpoint_file
+from gradsync.strategies import STRATEGIES, GradsyncStrategy
+
+log = logging.getLogger("gradsync")
+
+Command = Literal["fit", "validate", "test"]
+
+
+@dataclass
+class RunSpec:
+    """Everything one run needs, resolved from flags and config files."""
+
+    command: Command = "fit"
+    recipe: str = "digits"
+    model_class: type = None  # type: ignore[assignment]
+    model_options: dict = field(default_factory=dict)
+    data_class: type = None  # type: ignore[assignment]
+    data_options: dict = field(default_factory=dict)
+    strategy: str = "sync"
+    strategy_options: dict = field(default_factory=dict)
+    accelerator: str = "auto"
+    devices: int = 1
+    num_nodes: int = 1
+    max_steps: int = -1
+    max_epochs: Optional[int] = None
+    seed: int = 0
+    output_dir: Optional[Path] = None
+    resume: Optional[str] = None
+    checkpoint_every: int = 0
+
+    @property
+    def checkpoint_path(self) -> Optional[Path]:
+        return self.output_dir / "checkpoints" / "last.ckpt" if self.output_dir else None
+
+
+# ---- building -------------------------------------------------------------------------------
+def build_strategy(name: str, options: dict) -> Union[Strategy, str]:
+    """A gradsync strategy instance, or a stock Lightning strategy name (which takes no options)."""
+    if name in STRATEGIES:
+        return STRATEGIES[name](**options)
+    if name in StrategyRegistry:
+        if options:
+            raise GradsyncError(
+                f"--strategy {name} is a stock Lightning strategy and takes no --strategy.* options "
+                f"(got {', '.join(sorted(options))})")
+        return name
+    raise GradsyncError(unknown_strategy_message(name))
+
+
+def unknown_strategy_message(name: str) -> str:
+    stock = sorted(n for n in StrategyRegistry.available_strategies() if n not in STRATEGIES)
+    return (f"--strategy {name!r} is unknown; gradsync strategies: {', '.join(STRATEGIES)}; "
+            f"Lightning strategies: {', '.join(stock)}")
+
+
+def resolve_checkpoint_to_resume(spec: RunSpec) -> Optional[Path]:
+    """The checkpoint a run resumes from, or None. Refuses to overwrite another run's checkpoint."""
+    if spec.resume:
+        path = spec.checkpoint_path if spec.resume == "auto" else Path(spec.resume)
+        if spec.resume == "auto" and (path is None or not path.exists()):
+            return None  # nothing to resume yet: a fresh start
+        load_checkpoint_file(path)  # one-line error for a missing or corrupt file, before any work
+        return path
+    if spec.command == "fit" and spec.checkpoint_path is not None and spec.checkpoint_path.exists():
+        raise GradsyncError(
+            f"--output-dir {spec.output_dir} already holds a checkpoint; pass --resume auto to continue it "
+            f"or choose another --output-dir")
+    return None
+
+
+class _RunClock(Callback):
+    """Times the training loop and remembers the step of the last validation."""
+
+    def __init__(self) -> None:
+        self.fit_start: Optional[float] = None
+        self.fit_seconds = 0.0
+        self.start_step = 0
+        self.last_val_step = -1
+        self.train_metrics: dict = {}
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self.fit_start = time.perf_counter()
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.start_step = trainer.global_step
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        if self.fit_start is not None:
+            self.fit_seconds = time.perf_counter() - self.fit_start
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            self.last_val_step = trainer.global_step
+
+
+class CommMetrics(Callback):
+    """Logs the strategy's ledger as ``comm/*`` metrics after every optimizer step."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        ledger = getattr(trainer.strategy, "ledger", None)
+        if ledger is None:
+            return
+        s = ledger.summary()
+        pl_module.log_dict({f"comm/{k}": float(v) for k, v in s.items()}, on_step=True, on_epoch=False,
+                           rank_zero_only=True)
+
+
+def build_trainer(spec: RunSpec, strategy: Union[Strategy, str], clock: _RunClock) -> L.Trainer:
+    callbacks: list[Callback] = [clock, CommMetrics()]
+    logger: Any = False
+    if spec.output_dir is not None:
+        logger = CSVLogger(save_dir=str(spec.output_dir), name="logs", version="")
+        if spec.command == "fit":
+            callbacks.append(ModelCheckpoint(
+                dirpath=str(spec.output_dir / "checkpoints"), filename="last", save_top_k=1,
+                every_n_train_steps=spec.checkpoint_every or None, enable_version_counter=False))
+    plugins = [AtomicCheckpointIO()] if not isinstance(strategy, Strategy) else []
+    if isinstance(strategy, Strategy):
+        strategy.checkpoint_io = AtomicCheckpointIO()
+    return L.Trainer(
+        accelerator=spec.accelerator,
+        devices=spec.devices,
+        num_nodes=spec.num_nodes,
+        strategy=strategy,
+        max_steps=spec.max_steps,
+        max_epochs=spec.max_epochs,
+        logger=logger,
+        callbacks=callbacks,
+        plugins=plugins or None,
+        enable_checkpointing=spec.command == "fit" and spec.output_dir is not None,
+        use_distributed_sampler=False,  # recipes shard their own data (DESIGN.md "Data order")
+        num_sanity_val_steps=0,
+        log_every_n_steps=1,
+        enable_model_summary=False,
+        default_root_dir=str(spec.output_dir) if spec.output_dir else None,
+    )
+
+
+# ---- running --------------------------------------------------------------------------------
+def execute(spec: RunSpec) -> dict:
+    """Run ``spec.command`` and return the run summary (also written to ``DIR/summary.json``)."""
+    t0 = time.perf_counter()
+    ckpt = resolve_checkpoint_to_resume(spec)
+    L.seed_everything(spec.seed, workers=True, verbose=False)
+    model = spec.model_class(**spec.model_options)
+    data = spec.data_class(**spec.data_options)
+    strategy = build_strategy(spec.strategy, spec.strategy_options)
+    clock = _RunClock()
+    trainer = build_trainer(spec, strategy, clock)
+    world = trainer.world_size
+    micro = int(getattr(data, "batch_size", 0) or 0)
+    if trainer.is_global_zero:
+        print(f"gradsync: {spec.command} recipe={spec.recipe} strategy={spec.strategy} on {world} "
+              f"process(es) x {spec.num_nodes} node(s); global batch {micro * world} = {micro} micro-batch "
+              f"x 1 accumulation x {world} processes", flush=True)
+    resumed_from = _checkpoint_step(ckpt) if ckpt else None
+
+    if spec.command == "fit":
+        trainer.fit(model, datamodule=data, ckpt_path=str(ckpt) if ckpt else None)
+        clock.train_metrics = {k: v for k, v in trainer.callback_metrics.items() if k.startswith("train_")}
+        if clock.last_val_step != trainer.global_step:
+            trainer.validate(model, datamodule=data, verbose=False)
+        if spec.checkpoint_path is not None:
+            trainer.save_checkpoint(str(spec.checkpoint_path))
+    elif spec.command == "validate":
+        trainer.validate(model, datamodule=data, ckpt_path=str(ckpt) if ckpt else None, verbose=False)
+    else:
+        trainer.test(model, datamodule=data, ckpt_path=str(ckpt) if ckpt else None, verbose=False)
+
+    summary = build_summary(spec, trainer, model, data, clock, time.perf_counter() - t0, resumed_from)
+    if trainer.is_global_zero and spec.output_dir is not None:
+        write_json(spec.output_dir / "summary.json", summary)
+    _teardown()
+    return summary
+
+
+def _checkpoint_step(path: Path) -> int:
+    return int(load_checkpoint_file(path).get("global_step", 0))
+
+
+def _teardown() -> None:
+    # Without a final barrier + destroy, torchrun workers sometimes die at exit and the agent hangs.
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def build_summary(spec: RunSpec, trainer: L.Trainer, model: Any, data: Any, clock: _RunClock,
+                  wall_seconds: float, resumed_from: Optional[int]) -> dict:
+    strategy = trainer.strategy
+    metric_name = getattr(model, "metric_name", "val_loss")
+    cm = {**clock.train_metrics, **trainer.callback_metrics}
+    metrics = {k: _num(cm.get(k)) for k in ("train_loss", "val_loss", metric_name)}
+    for k, v in cm.items():
+        if k.startswith(("val_", "test_")) and k not in metrics:
+            metrics[k] = _num(v)
+    world = trainer.world_size
+    micro = int(getattr(data, "batch_size", 0) or 0)
+    global_batch = micro * world
+    steps = trainer.global_step - clock.start_step
+    ledger = getattr(strategy, "ledger", None)
+    comm = ledger.summary() if ledger is not None else {
+        "wire_bytes": None, "logical_bytes": None, "compression_ratio": None, "seconds": None, "collectives": None}
+    backend = None
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        backend = dist.get_backend()
+    return {
+        "recipe": spec.recipe,
+        "model": f"{spec.model_class.__module__}.{spec.model_class.__qualname__}",
+        "data": f"{spec.data_class.__module__}.{spec.data_class.__qualname__}",
+        "command": spec.command,
+        "strategy": spec.strategy,
+        "strategy_options": strategy.options if isinstance(strategy, GradsyncStrategy) else {},
+        "model_options": _jsonable(spec.model_options),
+        "world_size": world,
+        "num_nodes": trainer.num_nodes,
+        "backend": backend,
+        "accelerator": type(trainer.accelerator).__name__.replace("Accelerator", "").lower(),
+        "seed": spec.seed,
+        "global_step": trainer.global_step,
+        "micro_batch_size": micro,
+        "accumulation_steps": 1,
+        "global_batch_size": global_batch,
+        "metrics": metrics,
+        "comm": comm,
+        "wall_seconds": round(wall_seconds, 3),
+        "train_seconds": round(clock.fit_seconds, 3),
+        "samples_per_second": round(steps * global_batch / clock.fit_seconds, 2) if clock.fit_seconds else None,
+        "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+        "resumed_from_step": resumed_from,
+        "checkpoint": str(spec.checkpoint_path) if spec.checkpoint_path and spec.checkpoint_path.exists() else None,
+        "versions": {"torch": torch.__version__, "lightning": L.__version__},
+    }
+
+
+def _num(v: Any) -> Optional[float]:
+    if v is None:
+        return None
+    return float(v.item() if isinstance(v, torch.Tensor) else v)
+
+
+def _jsonable(obj: Any) -> Any:
+    return json.loads(json.dumps(obj, default=str))
+
+
+def write_json(path: Path, obj: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+__all__ = ["RunSpec", "build_strategy", "build_trainer", "execute", "atomic_torch_save"]

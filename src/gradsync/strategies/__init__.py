@@ -1,0 +1,21 @@
+"""gradsync strategies: Lightning ``Strategy`` plugins, one idea per file.
+
+Importing this package registers every strategy in Lightning's ``StrategyRegistry`` by its short
+name, so ``L.Trainer(strategy="sync")`` works in plain Lightning code.
+"""
+
+from __future__ import annotations
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from gradsync.strategies.base import GradsyncStrategy
+from gradsync.strategies.ledger import CommLedger, wire_bytes
+from gradsync.strategies.sync import SyncStrategy
+
+#: Every gradsync strategy, by registry name. One name per idea; variants are options.
+STRATEGIES: dict[str, type[GradsyncStrategy]] = {cls.strategy_name: cls for cls in (SyncStrategy,)}
+
+for _cls in STRATEGIES.values():
+    _cls.register_strategies(StrategyRegistry)
+
+__all__ = ["STRATEGIES", "CommLedger", "GradsyncStrategy", "SyncStrategy", "wire_bytes"]

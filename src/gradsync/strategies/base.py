@@ -1,0 +1,222 @@
+"""What every gradsync strategy shares.
+
+A gradsync strategy is a real Lightning ``DDPStrategy``: it works in plain Lightning code
+(``L.Trainer(strategy=SyncStrategy())`` or ``L.Trainer(strategy="sync")`` after ``import gradsync``)
+and through the ``gradsync`` CLI. This base adds:
+
+* backend choice (NCCL on CUDA, gloo on CPU) and a process-group timeout;
+* the communication ledger (:mod:`gradsync.strategies.ledger`);
+* communication hooks that run on CPU/gloo as well as CUDA/NCCL (Lightning's ``DDPStrategy``
+  silently skips ``ddp_comm_hook`` off CUDA; this base never does);
+* checkpointed algorithm state, gathered from *every* rank, restored on resume;
+* registration in Lightning's ``StrategyRegistry`` under one short name per strategy.
+
+The constructor's keyword-only arguments are the strategy's configuration: the CLI derives its
+``--strategy.<option>`` flags from them, and :attr:`options` reads them back for the run summary.
+Subclasses store each option as an attribute of the same name.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import warnings
+from datetime import timedelta
+from typing import Any, Callable, ClassVar, Literal, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+
+from gradsync.errors import check
+from gradsync.strategies.ledger import CommLedger
+
+Backend = Literal["auto", "nccl", "gloo"]
+
+# Options of the base that are DDP wrapper settings (passed to torch's DistributedDataParallel).
+_DDP_OPTIONS = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "find_unused_parameters")
+
+
+class GradsyncStrategy(DDPStrategy):
+    """Base of all gradsync strategies. Not registered itself; subclasses set ``strategy_name``."""
+
+    strategy_name: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        *,
+        backend: Backend = "auto",
+        timeout_seconds: float = 1800.0,
+        bucket_cap_mb: float = 25.0,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        find_unused_parameters: bool = False,
+    ) -> None:
+        """
+        Args:
+            backend: process-group backend; ``auto`` picks NCCL on CUDA devices and gloo on CPU.
+            timeout_seconds: how long a collective may wait for a peer before the run fails.
+            bucket_cap_mb: DDP gradient bucket size in MiB; larger buckets mean fewer, bigger collectives.
+            gradient_as_bucket_view: let gradients alias DDP's buckets (saves one gradient-sized copy).
+            static_graph: tell DDP the set of used parameters never changes (enables extra overlap).
+            find_unused_parameters: let DDP tolerate parameters that get no gradient in a step.
+        """
+        check(backend in ("auto", "nccl", "gloo"), "backend", backend, "must be one of auto, nccl, gloo")
+        check(timeout_seconds > 0, "timeout_seconds", timeout_seconds, "must be > 0 seconds")
+        check(bucket_cap_mb > 0, "bucket_cap_mb", bucket_cap_mb, "must be > 0 MiB", "25 is DDP's default")
+        self.backend = backend
+        self.timeout_seconds = float(timeout_seconds)
+        self.bucket_cap_mb = float(bucket_cap_mb)
+        self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
+        self.static_graph = bool(static_graph)
+        self.find_unused_parameters = bool(find_unused_parameters)
+        super().__init__(
+            process_group_backend=None if backend == "auto" else backend,
+            timeout=timedelta(seconds=self.timeout_seconds),
+            start_method="popen",
+            bucket_cap_mb=self.bucket_cap_mb,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            static_graph=self.static_graph,
+            find_unused_parameters=self.find_unused_parameters,
+        )
+        self.ledger = CommLedger()
+        self._restored_algorithm_state: Optional[dict] = None
+
+    # ---- configuration ---------------------------------------------------------------------
+    @classmethod
+    def describe(cls) -> str:
+        """One line for ``gradsync list``: the first line of the class docstring."""
+        return (inspect.getdoc(cls) or "").strip().splitlines()[0] if cls.__doc__ else cls.__name__
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The constructor options as given (after validation), for summaries and trackers."""
+        out: dict[str, Any] = {}
+        for klass in reversed(type(self).__mro__):
+            init = klass.__dict__.get("__init__")
+            if init is None or not issubclass(klass, GradsyncStrategy):
+                continue
+            for name, p in inspect.signature(init).parameters.items():
+                if p.kind is inspect.Parameter.KEYWORD_ONLY and hasattr(self, name):
+                    out[name] = getattr(self, name)
+        return out
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if cls.strategy_name:
+            strategy_registry.register(cls.strategy_name, cls, description=cls.describe(), override=True)
+
+    # ---- process group ---------------------------------------------------------------------
+    def _get_process_group_backend(self) -> str:
+        backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+        check(not (backend == "nccl" and self.root_device.type != "cuda"), "backend", backend,
+              "NCCL needs CUDA devices", "use backend gloo or --accelerator gpu")
+        return backend
+
+    def setup_distributed(self) -> None:
+        # Under torchrun's elastic agent, build the default group from a store whose keys are
+        # prefixed by the restart attempt: with a static rendezvous the agent reuses one store
+        # across restarts, and restarted workers would otherwise read dead workers' addresses.
+        if not dist.is_initialized() and "TORCHELASTIC_RESTART_COUNT" in os.environ and "MASTER_ADDR" in os.environ:
+            self.set_world_ranks()
+            self._process_group_backend = self._get_process_group_backend()
+            from lightning.fabric.utilities.seed import reset_seed
+
+            reset_seed()
+            rank, world = self.global_rank, self.world_size
+            use_agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+            store = dist.TCPStore(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
+                is_master=(not use_agent_store and rank == 0), timeout=self._timeout, wait_for_workers=False,
+            )
+            prefix = f"gradsync/attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}"
+            dist.init_process_group(self._process_group_backend, store=dist.PrefixStore(prefix, store),
+                                    rank=rank, world_size=world, timeout=self._timeout)
+        else:
+            super().setup_distributed()
+        self.ledger.world_size = self.world_size
+
+    # ---- communication hooks ---------------------------------------------------------------
+    def build_comm_hook(self) -> Optional[tuple[Any, Callable]]:
+        """Return ``(state, hook)`` to register on the DDP model, or ``None`` for no hook."""
+        return None
+
+    def _register_ddp_hooks(self) -> None:
+        # Unlike Lightning's DDPStrategy, register on every device type: a strategy that says it
+        # compresses must compress on gloo too, not silently fall back to plain all-reduce.
+        built = self.build_comm_hook()
+        if built is not None:
+            state, hook = built
+            self.model.register_comm_hook(state, hook)
+
+    # ---- algorithm state -------------------------------------------------------------------
+    def algorithm_state_dict(self) -> dict:
+        """This rank's algorithm state (tensors on CPU). Subclasses extend it; keep the ledger."""
+        return {"ledger": self.ledger.state_dict()}
+
+    def load_algorithm_state_dict(self, state: dict) -> None:
+        """Restore this rank's part of :meth:`algorithm_state_dict`."""
+        if "ledger" in state:
+            world = self.ledger.world_size
+            self.ledger.load_state_dict(state["ledger"])
+            self.ledger.world_size = world
+
+    def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Optional[Any] = None) -> None:
+        # Every rank reaches here (Trainer.save_checkpoint runs on all ranks); gather each rank's
+        # part so the file holds the whole algorithm state, not only rank 0's.
+        local = _to_cpu(self.algorithm_state_dict())
+        if dist.is_available() and dist.is_initialized() and self.world_size > 1:
+            parts: list = [None] * self.world_size
+            dist.all_gather_object(parts, local)
+        else:
+            parts = [local]
+        checkpoint["gradsync"] = {"strategy": self.strategy_name, "world_size": len(parts), "ranks": parts}
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        # Applied in configure_ddp, once hooks and their state exist (DDP restores before setup).
+        self._restored_algorithm_state = checkpoint.get("gradsync")
+        return checkpoint
+
+    def configure_ddp(self) -> None:
+        super().configure_ddp()
+        self._apply_restored_state()
+        self._restored_algorithm_state = None
+
+    def _apply_restored_state(self) -> None:
+        saved = self._restored_algorithm_state
+        if not saved:
+            return
+        saved_world = int(saved.get("world_size", 1))
+        if saved_world != self.world_size:
+            state = self.reshard_algorithm_state(saved["ranks"], saved_world)
+        else:
+            state = saved["ranks"][self.global_rank]
+        if state is not None:
+            self.load_algorithm_state_dict(state)
+
+    def reshard_algorithm_state(self, parts: list, saved_world_size: int) -> Optional[dict]:
+        """Map state saved on ``saved_world_size`` ranks onto this world size.
+
+        The default keeps the ledger totals of rank 0 and resets everything else, with a warning
+        that names what was reset. Subclasses with per-rank state override this.
+        """
+        reset = sorted(k for k in parts[0] if k != "ledger")
+        if reset and self.global_rank == 0:
+            warnings.warn(
+                f"{self.strategy_name}: checkpoint was written by {saved_world_size} processes, this run has "
+                f"{self.world_size}; reset per-rank algorithm state: {', '.join(reset)}",
+                stacklevel=2,
+            )
+        return {"ledger": parts[0].get("ledger", {})}
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj

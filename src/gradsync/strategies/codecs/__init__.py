@@ -1,0 +1,1 @@
+"""Gradient codecs: pure torch (no Lightning), testable in isolation."""

@@ -1,0 +1,103 @@
+"""Shared test helpers: in-process multi-process Lightning fits (fork), and pure-torch gloo groups.
+
+Lightning's ``ddp`` strategy re-runs ``sys.argv`` for its children, which inside pytest re-runs
+pytest; these helpers use the fork start method instead (~0.6 s per 2-process fit).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import lightning as L
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from lightning.pytorch.callbacks import Callback
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class DumpRankState(Callback):
+    """Writes every rank's final parameters (and the strategy's algorithm state) to ``out/rank{r}.pt``."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = Path(out)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        strategy = trainer.strategy
+        state = {
+            "params": {k: v.detach().clone() for k, v in pl_module.state_dict().items()},
+            "global_step": trainer.global_step,
+            "ledger": strategy.ledger.summary() if hasattr(strategy, "ledger") else None,
+            "algorithm": strategy.algorithm_state_dict() if hasattr(strategy, "algorithm_state_dict") else None,
+            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+        }
+        torch.save(state, self.out / f"rank{trainer.global_rank}.pt")
+
+
+def fit(model: L.LightningModule, data: L.LightningDataModule, *, strategy: Any = "auto", devices: int = 1,
+        max_steps: int = 20, out: Path, callbacks: tuple = (), ckpt_path: Optional[str] = None,
+        **trainer_kwargs: Any) -> list[dict]:
+    """Fit on ``devices`` CPU processes (fork) and return each rank's final state."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in out.glob("rank*.pt"):
+        f.unlink()
+    if hasattr(strategy, "_start_method"):
+        strategy._start_method = "fork"
+    elif strategy == "auto" and devices > 1:
+        strategy = "ddp_fork"
+    os.environ["MASTER_PORT"] = str(free_port())
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
+        callbacks=[DumpRankState(out), *callbacks], **trainer_kwargs,
+    )
+    trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(devices)]
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+# ---- pure-torch process groups ------------------------------------------------------------------
+def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, *args)
+        torch.save(result, os.path.join(out, f"result{rank}.pt"))
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def run_gloo(fn: Callable, world: int, *args: Any, tmp: Path, timeout: float = 60) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` in ``world`` processes with a gloo group; return each result.
+
+    ``fn`` must be importable (module level). A hang fails after ``timeout`` seconds.
+    """
+    ctx = mp.get_context("fork")
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, str(tmp))) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    assert not alive, f"gloo workers hung for more than {timeout} s"
+    assert all(p.exitcode == 0 for p in procs), f"worker exit codes {[p.exitcode for p in procs]}"
+    return [torch.load(os.path.join(tmp, f"result{r}.pt"), weights_only=False) for r in range(world)]
