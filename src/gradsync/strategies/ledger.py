@@ -117,6 +117,18 @@ class CommLedger:
                          lambda a: dist.all_gather_into_tensor(output, tensor, group=group, async_op=a),
                          async_op, output)
 
+    def all_gather_single(self, output: torch.Tensor, tensor: torch.Tensor, *,
+                          group: Optional[dist.ProcessGroup] = None, async_op: bool = False):
+        """All-gather into one tensor (``output`` holds every rank's ``tensor``, in rank order).
+
+        ``dist.all_gather_single`` where torch has it (it replaces the deprecated
+        ``all_gather_into_tensor``), else ``all_gather_into_tensor``. Records this rank's part.
+        """
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        nbytes = tensor.numel() * tensor.element_size()
+        return self._run("all_gather", nbytes, lambda a: gather(output, tensor, group=group, async_op=a),
+                         async_op, output)
+
     def all_gather(self, outputs: list, tensor: torch.Tensor, *, group: Optional[dist.ProcessGroup] = None,
                    async_op: bool = False):
         nbytes = tensor.numel() * tensor.element_size()
