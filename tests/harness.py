@@ -15,7 +15,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 
 def free_port() -> int:
@@ -55,9 +55,10 @@ def fit(model: L.LightningModule, data: L.LightningDataModule, *, strategy: Any 
     elif strategy == "auto" and devices > 1:
         strategy = "ddp_fork"
     os.environ["MASTER_PORT"] = str(free_port())
+    checkpointing = any(isinstance(c, ModelCheckpoint) for c in callbacks)
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=checkpointing, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
         callbacks=[DumpRankState(out), *callbacks], **trainer_kwargs,
     )

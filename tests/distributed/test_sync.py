@@ -58,3 +58,19 @@ def test_sync_ledger_counts_fp32_allreduce_bytes(tmp_path):
         assert ledger["logical_bytes"] == ledger["wire_bytes"]
         assert ledger["compression_ratio"] == 1.0
         assert ledger["collectives"] == 5
+
+
+def test_mid_epoch_resume_equals_uninterrupted_run(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    full = fit(plain_sgd(), DigitsData(batch_size=16), strategy=SyncStrategy(), devices=2, max_steps=14,
+               out=tmp_path / "full")
+    ckpt_dir = tmp_path / "ckpt"
+    fit(plain_sgd(), DigitsData(batch_size=16), strategy=SyncStrategy(), devices=2, max_steps=7,
+        out=tmp_path / "a", callbacks=(ModelCheckpoint(dirpath=ckpt_dir, filename="last", every_n_train_steps=7),))
+    resumed = fit(plain_sgd(), DigitsData(batch_size=16), strategy=SyncStrategy(), devices=2, max_steps=14,
+                  out=tmp_path / "b", ckpt_path=str(ckpt_dir / "last.ckpt"))
+    assert resumed[0]["global_step"] == 14
+    assert max_abs_diff(resumed[0]["params"], full[0]["params"]) <= 1e-6
+    # the ledger continues across the resume instead of restarting from zero
+    assert resumed[0]["ledger"]["collectives"] == full[0]["ledger"]["collectives"] == 14

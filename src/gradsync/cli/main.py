@@ -159,6 +159,9 @@ def build_parser(command: str, sel: dict[str, Any]):
                    help="where summary.json and checkpoints/last.ckpt go")
     p.add_argument("--resume", type=Optional[str], default=None,
                    help="checkpoint to resume from, or 'auto' for the output dir's last.ckpt if it exists")
+    p.add_argument("--global_batch_size", "--global-batch-size", type=Optional[int], default=None,
+                   help="samples per optimizer step across all processes; accumulation K = G / (batch size x "
+                        "processes) is derived (default: batch size x processes, K = 1)")
     p.add_argument("--checkpoint_every", "--checkpoint-every", type=int, default=0,
                    help="also save last.ckpt every N optimizer steps (0: at epoch ends and at the end)")
     p.add_class_arguments(model_cls, "model", fail_untyped=False)
@@ -225,7 +228,7 @@ def parse_run(command: str, argv: Sequence[str]):
         accelerator=d["accelerator"], devices=d["devices"], num_nodes=d["num_nodes"],
         max_steps=d["max_steps"], max_epochs=d["max_epochs"], seed=d["seed"],
         output_dir=Path(d["output_dir"]) if d["output_dir"] else None, resume=d["resume"],
-        checkpoint_every=d["checkpoint_every"],
+        checkpoint_every=d["checkpoint_every"], global_batch_size=d["global_batch_size"],
     )
     if spec.command == "fit" and spec.max_steps == -1 and spec.max_epochs is None:
         spec.max_epochs = 10
@@ -262,7 +265,8 @@ def _option_error_flag(component: str, option: str) -> str:
 def validate_spec(spec) -> None:
     """Construct the parts once, cheaply, so bad values fail before any process is launched."""
     from gradsync.errors import OptionError
-    from gradsync.platform.run import build_strategy, resolve_checkpoint_to_resume
+    from gradsync.platform.run import (accumulation_steps, build_strategy, resolve_checkpoint_to_resume,
+                                       resolve_global_batch)
 
     for component, build in (("model", lambda: spec.model_class(**spec.model_options)),
                              ("data", lambda: spec.data_class(**spec.data_options)),
@@ -274,7 +278,8 @@ def validate_spec(spec) -> None:
             raise UsageError(f"{flag} {exc.value}: {exc.rule}" + (f" ({exc.fix})" if exc.fix else "")) from None
         except (TypeError, ValueError) as exc:
             raise UsageError(f"--{component}: {_one_line(exc)}") from None
-    resolve_checkpoint_to_resume(spec)
+    ckpt = resolve_checkpoint_to_resume(spec)
+    accumulation_steps(resolve_global_batch(spec, ckpt), spec.micro_batch_size, spec.world_size)
 
 
 # ---- commands -------------------------------------------------------------------------------

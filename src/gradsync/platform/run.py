@@ -50,6 +50,15 @@ class RunSpec:
     output_dir: Optional[Path] = None
     resume: Optional[str] = None
     checkpoint_every: int = 0
+    global_batch_size: Optional[int] = None
+
+    @property
+    def world_size(self) -> int:
+        return self.devices * self.num_nodes
+
+    @property
+    def micro_batch_size(self) -> int:
+        return int(self.data_options.get("batch_size") or 0)
 
     @property
     def checkpoint_path(self) -> Optional[Path]:
@@ -57,6 +66,29 @@ class RunSpec:
 
 
 # ---- building -------------------------------------------------------------------------------
+def accumulation_steps(global_batch: Optional[int], micro_batch: int, world_size: int) -> int:
+    """K = G / (b*N), the micro-batches per optimizer step; a clear error when G does not fit."""
+    if global_batch is None:
+        return 1
+    unit = micro_batch * world_size
+    if global_batch < 1 or global_batch % unit != 0:
+        valid = ", ".join(str(unit * k) for k in (1, 2, 4, 8))
+        raise GradsyncError(
+            f"--global-batch-size {global_batch} must be a positive multiple of batch size {micro_batch} x "
+            f"{world_size} processes = {unit}; valid values include {valid}")
+    return global_batch // unit
+
+
+def batch_arithmetic(global_batch: int, micro: int, k: int, world: int) -> str:
+    return f"global batch {global_batch} = {micro} micro-batch x {k} accumulation x {world} processes"
+
+
+def checkpoint_run_info(path: Optional[Path]) -> dict:
+    """The run facts a checkpoint was written with (global batch, world size), or {}."""
+    if path is None:
+        return {}
+    return dict(load_checkpoint_file(path).get("gradsync_run") or {})
+
 def build_strategy(name: str, options: dict) -> Union[Strategy, str]:
     """A gradsync strategy instance, or a stock Lightning strategy name (which takes no options)."""
     if name in STRATEGIES:
@@ -71,7 +103,8 @@ def build_strategy(name: str, options: dict) -> Union[Strategy, str]:
 
 
 def unknown_strategy_message(name: str) -> str:
-    stock = sorted(n for n in StrategyRegistry.available_strategies() if n not in STRATEGIES)
+    stock = sorted(n for n in StrategyRegistry.available_strategies()
+                   if n not in STRATEGIES and "find_unused" not in n and "offload" not in n)
     return (f"--strategy {name!r} is unknown; gradsync strategies: {', '.join(STRATEGIES)}; "
             f"Lightning strategies: {', '.join(stock)}")
 
@@ -116,6 +149,16 @@ class _RunClock(Callback):
             self.last_val_step = trainer.global_step
 
 
+class RunInfo(Callback):
+    """Stores the run facts a resume needs (the global batch survives a change of world size)."""
+
+    def __init__(self, info: dict) -> None:
+        self.info = info
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        checkpoint["gradsync_run"] = {**self.info, "world_size": trainer.world_size}
+
+
 class CommMetrics(Callback):
     """Logs the strategy's ledger as ``comm/*`` metrics after every optimizer step."""
 
@@ -128,8 +171,9 @@ class CommMetrics(Callback):
                            rank_zero_only=True)
 
 
-def build_trainer(spec: RunSpec, strategy: Union[Strategy, str], clock: _RunClock) -> L.Trainer:
-    callbacks: list[Callback] = [clock, CommMetrics()]
+def build_trainer(spec: RunSpec, strategy: Union[Strategy, str], clock: _RunClock, *,
+                  accumulation: int = 1, global_batch: Optional[int] = None) -> L.Trainer:
+    callbacks: list[Callback] = [clock, CommMetrics(), RunInfo({"global_batch_size": global_batch})]
     logger: Any = False
     if spec.output_dir is not None:
         logger = CSVLogger(save_dir=str(spec.output_dir), name="logs", version="")
@@ -147,6 +191,7 @@ def build_trainer(spec: RunSpec, strategy: Union[Strategy, str], clock: _RunCloc
         strategy=strategy,
         max_steps=spec.max_steps,
         max_epochs=spec.max_epochs,
+        accumulate_grad_batches=accumulation,
         logger=logger,
         callbacks=callbacks,
         plugins=plugins or None,
@@ -168,14 +213,16 @@ def execute(spec: RunSpec) -> dict:
     model = spec.model_class(**spec.model_options)
     data = spec.data_class(**spec.data_options)
     strategy = build_strategy(spec.strategy, spec.strategy_options)
-    clock = _RunClock()
-    trainer = build_trainer(spec, strategy, clock)
-    world = trainer.world_size
     micro = int(getattr(data, "batch_size", 0) or 0)
+    global_batch = resolve_global_batch(spec, ckpt)
+    k = accumulation_steps(global_batch, micro, spec.world_size)
+    clock = _RunClock()
+    trainer = build_trainer(spec, strategy, clock, accumulation=k, global_batch=global_batch)
+    world = trainer.world_size
     if trainer.is_global_zero:
         print(f"gradsync: {spec.command} recipe={spec.recipe} strategy={spec.strategy} on {world} "
-              f"process(es) x {spec.num_nodes} node(s); global batch {micro * world} = {micro} micro-batch "
-              f"x 1 accumulation x {world} processes", flush=True)
+              f"process(es), {spec.num_nodes} node(s); {batch_arithmetic(micro * k * world, micro, k, world)}",
+              flush=True)
     resumed_from = _checkpoint_step(ckpt) if ckpt else None
 
     if spec.command == "fit":
@@ -195,6 +242,20 @@ def execute(spec: RunSpec) -> dict:
         write_json(spec.output_dir / "summary.json", summary)
     _teardown()
     return summary
+
+
+def resolve_global_batch(spec: RunSpec, ckpt: Optional[Path]) -> Optional[int]:
+    """The run's global batch: the flag, else the resumed checkpoint's (so a resume on another
+    world size keeps G and recomputes K), else none (no accumulation)."""
+    if spec.global_batch_size is not None:
+        return spec.global_batch_size
+    saved = checkpoint_run_info(ckpt).get("global_batch_size")
+    if saved is not None:
+        return int(saved)
+    if getattr(STRATEGIES.get(spec.strategy), "requires_global_batch", False):
+        raise GradsyncError(f"--strategy {spec.strategy} needs --global-batch-size G (a multiple of batch size x "
+                            f"processes = {spec.micro_batch_size * spec.world_size})")
+    return None
 
 
 def _checkpoint_step(path: Path) -> int:
@@ -221,7 +282,8 @@ def build_summary(spec: RunSpec, trainer: L.Trainer, model: Any, data: Any, cloc
             metrics[k] = _num(v)
     world = trainer.world_size
     micro = int(getattr(data, "batch_size", 0) or 0)
-    global_batch = micro * world
+    k = int(trainer.accumulate_grad_batches)
+    global_batch = micro * world * k
     steps = trainer.global_step - clock.start_step
     ledger = getattr(strategy, "ledger", None)
     comm = ledger.summary() if ledger is not None else {
@@ -246,7 +308,7 @@ def build_summary(spec: RunSpec, trainer: L.Trainer, model: Any, data: Any, cloc
         "seed": spec.seed,
         "global_step": trainer.global_step,
         "micro_batch_size": micro,
-        "accumulation_steps": 1,
+        "accumulation_steps": k,
         "global_batch_size": global_batch,
         "metrics": metrics,
         "comm": comm,

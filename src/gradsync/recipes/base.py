@@ -16,7 +16,7 @@ and runs with ``gradsync fit --model my_pkg.MyModel --data my_pkg.MyData``.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal, Optional
+from typing import Any, ClassVar, Literal, Optional, Union
 
 import lightning as L
 import torch
@@ -59,26 +59,37 @@ class Recipe(L.LightningModule):
         self.optimizer_name, self.lr, self.momentum, self.weight_decay = optimizer, lr, momentum, weight_decay
 
     # ---- what subclasses write -----------------------------------------------------------
-    def compute_loss(self, batch: Any) -> torch.Tensor:
-        """The mean loss over ``batch``."""
+    def compute_loss(self, batch: Any) -> Union[torch.Tensor, tuple[torch.Tensor, Any]]:
+        """The mean loss over ``batch``, or ``(mean_loss, weight)``.
+
+        Return a weight (the number of samples or tokens the mean is over) when micro-batches can
+        differ in size, e.g. padded sequences: gradsync strategies then normalize by the weight
+        summed over all micro-batches and ranks, so the optimizer sees exactly the gradient of the
+        mean over the whole global batch (not a mean of means).
+        """
         raise NotImplementedError(f"{type(self).__name__} must implement compute_loss(batch)")
 
     # ---- conventions -----------------------------------------------------------------------
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = self.compute_loss(batch)
+    def training_step(self, batch: Any, batch_idx: int) -> Union[torch.Tensor, dict]:
+        out = self.compute_loss(batch)
+        loss, weight = out if isinstance(out, tuple) else (out, None)
         self.log("train_loss", loss, prog_bar=True)
-        return loss
+        return loss if weight is None else {"loss": loss, "weight": weight}
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self.log("val_loss", self.compute_loss(batch), prog_bar=True, sync_dist=True)
+        self.log("val_loss", _mean_loss(self.compute_loss(batch)), prog_bar=True, sync_dist=True)
 
     def test_step(self, batch: Any, batch_idx: int) -> None:
-        self.log("test_loss", self.compute_loss(batch), sync_dist=True)
+        self.log("test_loss", _mean_loss(self.compute_loss(batch)), sync_dist=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.optimizer_name == "adamw":
             return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+
+
+def _mean_loss(out: Any) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out
 
 
 class RecipeData(L.LightningDataModule):
@@ -98,27 +109,32 @@ class RecipeData(L.LightningDataModule):
         self.batch_size = batch_size
         self.train_set: Optional[Dataset] = None
         self.val_set: Optional[Dataset] = None
+        self._train_loader: Optional[ShardedLoader] = None
 
     def _shard(self) -> tuple[int, int]:
         if self.trainer is None:
             return 1, 0
         return self.trainer.world_size, self.trainer.global_rank
 
-    def _batches_consumed(self) -> int:
-        # Lightning fetches one batch ahead, so the loader cannot count for itself: ask the loop
-        # how many batches of this epoch have entered a training step.
-        return self.trainer.fit_loop.epoch_loop.batch_progress.current.ready
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        # Lightning fetches one batch ahead, so the loader cannot count consumed batches itself;
+        # this hook runs once per batch that actually enters a step.
+        if self.trainer is not None and self.trainer.training and self._train_loader is not None:
+            self._train_loader.note_consumed()
+        return batch
 
     def train_dataloader(self) -> ShardedLoader:
         world, rank = self._shard()
+        accumulation = self.trainer.accumulate_grad_batches if self.trainer is not None else 1
         sampler = ShardedSampler(len(self.train_set), num_replicas=world, rank=rank, shuffle=True,
-                                 seed=run_seed(), batch_size=self.batch_size, drop_last=True)
+                                 seed=run_seed(), batch_size=self.batch_size, drop_last=True,
+                                 step_batches=accumulation)
         if len(sampler) == 0:
             raise ValueError(
                 f"the training set has {len(self.train_set)} samples: too few for {world} processes "
-                f"x batch size {self.batch_size}; lower --batch-size")
-        return ShardedLoader(self.train_set, sampler=sampler, batch_size=self.batch_size,
-                             batches_consumed=self._batches_consumed)
+                f"x batch size {self.batch_size} x {accumulation} accumulation; lower --batch-size")
+        self._train_loader = ShardedLoader(self.train_set, sampler=sampler, batch_size=self.batch_size)
+        return self._train_loader
 
     def val_dataloader(self) -> ShardedLoader:
         world, rank = self._shard()

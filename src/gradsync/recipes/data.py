@@ -6,14 +6,18 @@ rank r takes ``perm[r::N]``; its t-th batch of b samples are ``perm[(t*b + j)*N 
 the union over ranks is ``perm[t*N*b : (t+1)*N*b]`` — the single process's t-th batch. Incomplete
 batches are dropped so every process runs the same number of steps.
 
+With gradient accumulation of K micro-batches, optimizer step t consumes ``perm[t*G : (t+1)*G]``
+(G = K*N*b) whatever N is, and only whole global batches are kept, so the same G on 1, 2 or 3
+processes gives the same optimization.
+
 The loader also resumes mid-epoch: its ``state_dict`` (stored by Lightning with the fit loop)
-records the epoch and how many batches of it were consumed, and the sampler skips those.
+records the epoch and how many samples of it were consumed, and the sampler skips those.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -33,7 +37,7 @@ class ShardedSampler(DistributedSampler):
     """
 
     def __init__(self, num_samples: int, *, num_replicas: int = 1, rank: int = 0, shuffle: bool = True,
-                 seed: int = 0, batch_size: int = 1, drop_last: bool = True) -> None:
+                 seed: int = 0, batch_size: int = 1, drop_last: bool = True, step_batches: int = 1) -> None:
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is outside 0..{num_replicas - 1}")
         # DistributedSampler's own __init__ needs a dataset; everything it sets is overridden here.
@@ -41,6 +45,7 @@ class ShardedSampler(DistributedSampler):
         self.num_replicas, self.rank = num_replicas, rank
         self.shuffle, self.seed, self.epoch = shuffle, seed, 0
         self.batch_size, self.drop_last = batch_size, drop_last
+        self.step_batches = step_batches  # micro-batches per optimizer step (accumulation)
         self._skip: Optional[tuple[int, int]] = None  # (epoch, samples to skip)
 
     def set_epoch(self, epoch: int) -> None:
@@ -59,9 +64,10 @@ class ShardedSampler(DistributedSampler):
             perm = list(range(self.num_samples_total))
         mine = perm[self.rank :: self.num_replicas]
         if self.drop_last:
-            # Same number of full batches on every rank, and the same as one process with batch N*b.
+            # Only whole global batches: the same steps on every rank, and for any N with the same G.
+            unit = self.batch_size * self.step_batches
             per_rank = self.num_samples_total // self.num_replicas
-            mine = mine[: (per_rank // self.batch_size) * self.batch_size]
+            mine = mine[: (per_rank // unit) * unit]
         return mine
 
     def __iter__(self) -> Iterator[int]:
@@ -76,16 +82,28 @@ class ShardedSampler(DistributedSampler):
 
 
 class ShardedLoader(DataLoader):
-    """A DataLoader over a :class:`ShardedSampler` whose position survives a checkpoint."""
+    """A DataLoader over a :class:`ShardedSampler` whose position survives a checkpoint.
 
-    def __init__(self, dataset: Dataset, *, sampler: ShardedSampler, batch_size: int,
-                 batches_consumed: Optional[Callable[[], int]] = None, **kwargs) -> None:
+    The position is counted in *global samples* consumed this epoch, so a run can resume on a
+    different number of processes (with the same global batch) and continue exactly.
+    """
+
+    def __init__(self, dataset: Dataset, *, sampler: ShardedSampler, batch_size: int, **kwargs) -> None:
         super().__init__(dataset, batch_size=batch_size, sampler=sampler, drop_last=sampler.drop_last, **kwargs)
-        self._batches_consumed = batches_consumed
+        self.position = 0  # micro-batches of this epoch that reached a training step, on this rank
+
+    def note_consumed(self) -> None:
+        """Called once per micro-batch that enters a training step (not when it is prefetched)."""
+        self.position += 1
+
+    def __iter__(self):
+        skip = self.sampler._skip
+        self.position = skip[1] // self.batch_size if skip is not None and skip[0] == self.sampler.epoch else 0
+        return super().__iter__()
 
     def state_dict(self) -> dict:
-        consumed = self._batches_consumed() if self._batches_consumed is not None else 0
-        return {"epoch": self.sampler.epoch, "batches_consumed": int(consumed)}
+        return {"epoch": self.sampler.epoch,
+                "samples_consumed": self.position * self.batch_size * self.sampler.num_replicas}
 
     def load_state_dict(self, state: dict) -> None:
-        self.sampler.skip(int(state["epoch"]), int(state["batches_consumed"]) * self.batch_size)
+        self.sampler.skip(int(state["epoch"]), int(state["samples_consumed"]) // self.sampler.num_replicas)

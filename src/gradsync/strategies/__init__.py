@@ -10,12 +10,16 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from gradsync.strategies.base import GradsyncStrategy
 from gradsync.strategies.ledger import CommLedger, wire_bytes
+from gradsync.strategies.accumulate import AccumulateStrategy
 from gradsync.strategies.sync import SyncStrategy
+from gradsync.strategies.compressed import CompressedStrategy
+from gradsync.strategies.local_sgd import LocalSGDStrategy
+from gradsync.strategies.diloco import DiLoCoStrategy
 
 #: Every gradsync strategy, by registry name. One name per idea; variants are options.
-STRATEGIES: dict[str, type[GradsyncStrategy]] = {cls.strategy_name: cls for cls in (SyncStrategy,)}
+STRATEGIES: dict[str, type[GradsyncStrategy]] = {cls.strategy_name: cls for cls in (SyncStrategy, AccumulateStrategy, LocalSGDStrategy, DiLoCoStrategy, CompressedStrategy)}
 
 for _cls in STRATEGIES.values():
     _cls.register_strategies(StrategyRegistry)
 
-__all__ = ["STRATEGIES", "CommLedger", "GradsyncStrategy", "SyncStrategy", "wire_bytes"]
+__all__ = ["STRATEGIES", "AccumulateStrategy", "CommLedger", "GradsyncStrategy", "SyncStrategy", "wire_bytes"]

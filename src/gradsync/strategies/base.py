@@ -41,6 +41,8 @@ class GradsyncStrategy(DDPStrategy):
     """Base of all gradsync strategies. Not registered itself; subclasses set ``strategy_name``."""
 
     strategy_name: ClassVar[str] = ""
+    #: True for strategies that only make sense with gradient accumulation (a global batch > b*N).
+    requires_global_batch: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -80,6 +82,8 @@ class GradsyncStrategy(DDPStrategy):
             find_unused_parameters=self.find_unused_parameters,
         )
         self.ledger = CommLedger()
+        self.accumulation_steps = 1
+        self._weight_sum, self._weighted = 0.0, False
         self._restored_algorithm_state: Optional[dict] = None
 
     # ---- configuration ---------------------------------------------------------------------
@@ -136,6 +140,52 @@ class GradsyncStrategy(DDPStrategy):
             super().setup_distributed()
         self.ledger.world_size = self.world_size
 
+    # ---- training loop -----------------------------------------------------------------------
+    def setup(self, trainer: Any) -> None:
+        accumulation = getattr(trainer, "accumulate_grad_batches", 1)
+        # DDP's static graph with no_sync can silently stop all-reducing (pytorch#143580,
+        # Lightning#19354): refuse the combination instead of training on local gradients.
+        check(not (self.static_graph and accumulation > 1), "static_graph", True,
+              f"cannot be combined with gradient accumulation ({accumulation} micro-batches per step)",
+              "drop static_graph, or use a global batch without accumulation")
+        self.accumulation_steps = accumulation
+        super().setup(trainer)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().training_step(*args, **kwargs)
+        if isinstance(out, dict) and out.get("weight") is not None:
+            # Weighted loss: back-propagate the *sum* (mean x weight); optimizer_step divides by
+            # the weight summed over micro-batches and ranks. Exact for unequal micro-batches.
+            weight = out["weight"]
+            weight = float(weight.item() if isinstance(weight, torch.Tensor) else weight)
+            out = {**out, "loss": out["loss"] * weight}
+            self._weight_sum += weight
+            self._weighted = True
+        return out
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        def normalized_closure() -> Any:
+            result = closure()
+            if self._weighted:
+                self._normalize_weighted_gradients(optimizer)
+            return result
+
+        out = super().optimizer_step(optimizer, normalized_closure, model, **kwargs)
+        self._weight_sum, self._weighted = 0.0, False
+        return out
+
+    def _normalize_weighted_gradients(self, optimizer: Any) -> None:
+        # After backward, DDP holds mean_r( sum_mb w*grad(mean_mb) / K ). Multiply by K*N / W.
+        total = torch.tensor([self._weight_sum], dtype=torch.float64)
+        if dist.is_available() and dist.is_initialized() and self.world_size > 1:
+            total = total.to(self.root_device)
+            self.ledger.all_reduce(total)
+        scale = self.accumulation_steps * self.world_size / float(total.item())
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+
     # ---- communication hooks ---------------------------------------------------------------
     def build_comm_hook(self) -> Optional[tuple[Any, Callable]]:
         """Return ``(state, hook)`` to register on the DDP model, or ``None`` for no hook."""
@@ -170,13 +220,18 @@ class GradsyncStrategy(DDPStrategy):
             dist.all_gather_object(parts, local)
         else:
             parts = [local]
-        checkpoint["gradsync"] = {"strategy": self.strategy_name, "world_size": len(parts), "ranks": parts}
+        checkpoint["gradsync"] = {"strategy": self.strategy_name, "world_size": len(parts), "ranks": parts,
+                                  "accumulation_steps": self.accumulation_steps}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         # Applied in configure_ddp, once hooks and their state exist (DDP restores before setup).
         self._restored_algorithm_state = checkpoint.get("gradsync")
+        trainer = getattr(self.lightning_module, "_trainer", None) if self.lightning_module is not None else None
+        if self._restored_algorithm_state and trainer is not None:
+            _rescale_micro_batch_progress(checkpoint, int(self._restored_algorithm_state.get("accumulation_steps", 1)),
+                                          int(trainer.accumulate_grad_batches))
         return checkpoint
 
     def configure_ddp(self) -> None:
@@ -210,6 +265,32 @@ class GradsyncStrategy(DDPStrategy):
                 stacklevel=2,
             )
         return {"ledger": parts[0].get("ledger", {})}
+
+
+def _rescale_micro_batch_progress(checkpoint: dict, old_k: int, new_k: int) -> None:
+    """Re-express the fit loop's micro-batch counters for a new accumulation K.
+
+    Lightning counts batches in micro-batches and decides when to step from that count; resuming
+    with the same global batch on another world size changes K, and unscaled counters would misalign
+    the accumulation windows (a step after too few micro-batches). Optimizer steps are unchanged.
+    """
+    if old_k == new_k:
+        return
+    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
+    if not progress:
+        return
+    for part in ("total", "current"):
+        counts = progress.get(part)
+        if not counts:
+            continue
+        ready = counts["ready"]
+        if (ready * new_k) % old_k:
+            warnings.warn(f"resume: {ready} micro-batches of {old_k} per step cannot be re-expressed with {new_k} "
+                          "micro-batches per step; accumulation windows may be misaligned", stacklevel=3)
+            return
+        lag = {k: ready - v for k, v in counts.items()}
+        new_ready = ready * new_k // old_k  # same optimizer steps, new micro-batches per step
+        progress[part] = {k: new_ready - lag[k] for k in counts}
 
 
 def _to_cpu(obj: Any) -> Any:

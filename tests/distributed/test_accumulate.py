@@ -1,0 +1,124 @@
+"""Gradient accumulation: exact equivalences, exact weighted normalization, one sync per step."""
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+from gradsync.recipes import DigitsClassifier, DigitsData, Recipe
+from gradsync.strategies import AccumulateStrategy, SyncStrategy
+from harness import fit, max_abs_diff
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def plain_sgd():
+    L.seed_everything(0, verbose=False)
+    return DigitsClassifier(lr=0.1, momentum=0.0)
+
+
+def test_accumulation_equals_full_global_batch_and_syncs_once_per_step(tmp_path):
+    steps, k, world, b = 12, 4, 2, 8
+    ref = fit(plain_sgd(), DigitsData(batch_size=k * world * b), devices=1, max_steps=steps, out=tmp_path / "ref")[0]
+    ranks = fit(plain_sgd(), DigitsData(batch_size=b), strategy=AccumulateStrategy(), devices=world,
+                max_steps=steps, accumulate_grad_batches=k, out=tmp_path / "acc")
+    assert ranks[0]["global_step"] == steps
+    assert max_abs_diff(ranks[0]["params"], ref["params"]) <= 1e-5
+    numel = sum(p.numel() for p in plain_sgd().parameters())
+    for r in ranks:
+        # exactly one gradient all-reduce per optimizer step, not one per micro-batch
+        assert r["ledger"]["collectives"] == steps
+        assert r["ledger"]["wire_bytes"] == steps * 4 * numel  # 2(N-1)/N = 1 at N = 2
+
+
+def test_same_global_batch_on_1_2_3_processes(tmp_path):
+    g, b, steps = 48, 8, 10
+    results = {}
+    for world in (1, 2, 3):
+        k = g // (b * world)
+        results[world] = fit(plain_sgd(), DigitsData(batch_size=b), strategy=SyncStrategy(), devices=world,
+                             max_steps=steps, accumulate_grad_batches=k, out=tmp_path / f"w{world}")[0]["params"]
+    assert max_abs_diff(results[1], results[2]) <= 1e-5
+    assert max_abs_diff(results[1], results[3]) <= 1e-5
+
+
+def test_resume_on_another_world_size_keeps_global_batch(tmp_path):
+    g, b = 48, 8
+    full = fit(plain_sgd(), DigitsData(batch_size=b), strategy=SyncStrategy(), devices=1, max_steps=10,
+               accumulate_grad_batches=g // b, out=tmp_path / "full")[0]
+    ckpt_dir = tmp_path / "ckpt"
+    fit(plain_sgd(), DigitsData(batch_size=b), strategy=SyncStrategy(), devices=2, max_steps=5,
+        accumulate_grad_batches=g // (2 * b), out=tmp_path / "first",
+        callbacks=(ModelCheckpoint(dirpath=ckpt_dir, filename="last", every_n_train_steps=5),))
+    resumed = fit(plain_sgd(), DigitsData(batch_size=b), strategy=SyncStrategy(), devices=3, max_steps=10,
+                  accumulate_grad_batches=g // (3 * b), out=tmp_path / "second", ckpt_path=str(ckpt_dir / "last.ckpt"))
+    assert resumed[0]["global_step"] == 10
+    assert max_abs_diff(resumed[0]["params"], full["params"]) <= 1e-5
+
+
+def test_static_graph_with_accumulation_is_refused(tmp_path):
+    # raised in the worker process; Lightning's launcher re-raises it with the worker's message
+    with pytest.raises(Exception, match="static_graph=True is invalid: cannot be combined with gradient accum"):
+        fit(plain_sgd(), DigitsData(batch_size=8), strategy=SyncStrategy(static_graph=True), devices=1,
+            max_steps=2, accumulate_grad_batches=2, out=tmp_path / "sg")
+
+
+# ---- exact normalization with unequal micro-batches and token weights ------------------------
+# Each "sample" of these loaders is a whole micro-batch: tokens (B, T) with a padding mask.
+def _token_batches(seed: int, sizes: list[tuple[int, int]]):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for rows, length in sizes:
+        x = torch.randn(rows, length, 4, generator=g)
+        y = torch.randn(rows, length, generator=g)
+        mask = (torch.rand(rows, length, generator=g) > 0.3).float()
+        mask[:, 0] = 1.0
+        out.append((x, y, mask))
+    return out
+
+
+RANK_BATCHES = {  # 2 ranks x 2 micro-batches of different rows, lengths and padding
+    0: _token_batches(0, [(3, 5), (1, 7)]),
+    1: _token_batches(1, [(4, 2), (2, 6)]),
+}
+
+
+class TokenRegressor(Recipe):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.lin = torch.nn.Linear(4, 1)
+
+    def compute_loss(self, batch):
+        x, y, mask = batch
+        per_token = (self.lin(x).squeeze(-1) - y) ** 2
+        return (per_token * mask).sum() / mask.sum(), mask.sum()
+
+
+class TokenData(L.LightningDataModule):
+    def train_dataloader(self):
+        return DataLoader(RANK_BATCHES[self.trainer.global_rank], batch_size=None)
+
+
+def test_weighted_loss_gives_exact_global_token_mean_gradient(tmp_path):
+    L.seed_everything(0, verbose=False)
+    model = TokenRegressor(lr=1.0, momentum=0.0)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    ranks = fit(model, TokenData(), strategy=SyncStrategy(), devices=2, max_steps=1,
+                accumulate_grad_batches=2, out=tmp_path / "tok")
+
+    # Hand-computed reference: the gradient of the mean over *all tokens* of all micro-batches.
+    ref = TokenRegressor(lr=1.0, momentum=0.0)
+    ref.load_state_dict(init)
+    batches = RANK_BATCHES[0] + RANK_BATCHES[1]
+    total = sum(((ref.lin(x).squeeze(-1) - y) ** 2 * m).sum() for x, y, m in batches)
+    tokens = sum(m.sum() for _, _, m in batches)
+    (total / tokens).backward()
+    expected = {k: init[f"lin.{k}"] - p.grad for k, p in ref.lin.named_parameters()}
+    # The naive mean of micro-batch means differs: the test can tell the two apart.
+    ref.zero_grad()
+    (sum(((ref.lin(x).squeeze(-1) - y) ** 2 * m).sum() / m.sum() for x, y, m in batches) / 4).backward()
+    naive = {k: init[f"lin.{k}"] - p.grad for k, p in ref.lin.named_parameters()}
+    got = {k: ranks[0]["params"][f"lin.{k}"] for k in expected}
+    assert max_abs_diff(got, expected) <= 1e-6
+    assert max_abs_diff(naive, expected) > 1e-3
