@@ -1,0 +1,154 @@
+"""The `gradsync` command end to end: real processes through torchrun, and every bad input."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradsync.cli.main import main
+
+pytestmark = pytest.mark.timeout(240)
+
+REQUIRED_SUMMARY_KEYS = {
+    "recipe", "strategy", "strategy_options", "world_size", "num_nodes", "backend", "accelerator", "seed",
+    "global_step", "micro_batch_size", "global_batch_size", "metrics", "comm", "wall_seconds",
+    "samples_per_second", "restarts", "resumed_from_step", "checkpoint",
+}
+
+
+def gradsync(*args, timeout=200):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    return subprocess.run([sys.executable, "-m", "gradsync.cli.main", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_fit_two_processes_writes_summary_and_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    r = gradsync("fit", "--recipe", "digits", "--strategy", "sync", "--devices", "2", "--accelerator", "cpu",
+                 "--max-steps", "20", "--output-dir", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert REQUIRED_SUMMARY_KEYS <= summary.keys()
+    assert summary["world_size"] == 2 and summary["num_nodes"] == 1 and summary["backend"] == "gloo"
+    assert summary["global_step"] == 20 and summary["strategy"] == "sync"
+    assert summary["global_batch_size"] == 2 * summary["micro_batch_size"]
+    assert {"train_loss", "val_loss", "val_acc"} <= summary["metrics"].keys()
+    assert all(v is not None for v in summary["metrics"].values())
+    comm = summary["comm"]
+    assert comm["compression_ratio"] == 1.0 and comm["collectives"] == 20 and comm["wire_bytes"] > 0
+    ckpt = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ckpt["global_step"] == 20 and "conv1.weight" in ckpt["state_dict"]
+    assert len(ckpt["gradsync"]["ranks"]) == 2  # every rank's algorithm state, not only rank 0's
+
+
+def test_fit_accumulate_reports_k(tmp_path):
+    out = tmp_path / "acc"
+    r = gradsync("fit", "--recipe", "digits", "--strategy", "accumulate", "--global-batch-size", "128",
+                 "--batch-size", "16", "--devices", "2", "--accelerator", "cpu", "--max-steps", "5",
+                 "--output-dir", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "global batch 128 = 16 micro-batch x 4 accumulation x 2 processes" in r.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["accumulation_steps"] == 4 and summary["global_batch_size"] == 128
+    assert summary["comm"]["collectives"] == 5  # one all-reduce per optimizer step
+
+
+def test_bad_input_is_one_line_exit_2_no_traceback():
+    r = gradsync("fit", "--recipe", "nope")
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "Traceback" not in r.stderr
+    assert "nope" in r.stderr and "digits" in r.stderr
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--recipe", "nope"], "--recipe 'nope' is unknown; available recipes: digits"),
+    (["--strategy", "nope"], "--strategy 'nope' is unknown; gradsync strategies: sync"),
+    (["--lr", "-1"], "--lr -1.0: must be > 0"),
+    (["--devices", "0"], "--devices 0: must be >= 1"),
+    (["--batch-size", "0"], "--batch-size 0: must be an integer >= 1"),
+    (["--model", "no_such_pkg.Model", "--data", "gradsync.recipes.digits.DigitsData"], "--model 'no_such_pkg.Model'"),
+    (["--model", "gradsync.recipes.digits.Nope", "--data", "gradsync.recipes.digits.DigitsData"], "has no class 'Nope'"),
+    (["--strategy.bucket_cap_mb", "0"], "--strategy.bucket_cap_mb 0.0: must be > 0"),
+    (["--max-steps", "0"], "--max-steps 0: must be >= 1"),
+    (["--global-batch-size", "100", "--batch-size", "16", "--devices", "2"], "valid values include 32, 64"),
+    (["--global-batch-size", "16", "--batch-size", "16", "--devices", "2"], "multiple of batch size 16 x 2"),
+    (["--strategy", "accumulate"], "--strategy accumulate needs --global-batch-size"),
+    (["--strategy", "ddp", "--strategy.bucket_cap_mb", "3"], "unrecognized arguments"),
+    (["--model.channels", "abc"], "model.channels"),
+    (["--resume", "/nonexistent/last.ckpt"], "does not exist"),
+])
+def test_bad_inputs(capsys, args, expected):
+    assert main(["fit", "--accelerator", "cpu", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("gradsync: error: ") and "\n" not in err
+    assert expected in err
+
+
+def test_corrupt_checkpoint_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "last.ckpt"
+    bad.write_bytes(b"not a checkpoint")
+    assert main(["fit", "--accelerator", "cpu", "--resume", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "corrupt or not a checkpoint" in err and str(bad) in err and "\n" not in err
+
+
+def test_list_names_recipes_and_strategies(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "digits" in out and "sync" in out and "accumulate" in out
+
+
+def test_user_model_by_import_path_and_output_dir_protection(tmp_path, capsys, monkeypatch):
+    pkg = tmp_path / "userpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "models.py").write_text(
+        "import torch\n"
+        "from gradsync.recipes import Recipe\n\n"
+        "class Tiny(Recipe):\n"
+        "    def __init__(self, *, hidden: int = 8, **kwargs):\n"
+        "        super().__init__(**kwargs)\n"
+        "        self.net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, hidden),\n"
+        "                                       torch.nn.ReLU(), torch.nn.Linear(hidden, 10))\n\n"
+        "    def compute_loss(self, batch):\n"
+        "        x, y = batch\n"
+        "        return torch.nn.functional.cross_entropy(self.net(x), y)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "run"
+    args = ["fit", "--model", "userpkg.models.Tiny", "--data", "gradsync.recipes.digits.DigitsData",
+            "--model.hidden", "12", "--accelerator", "cpu", "--max-steps", "3", "--output-dir", str(out)]
+    assert main(args) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["model"] == "userpkg.models.Tiny" and summary["model_options"]["hidden"] == 12
+    assert summary["global_step"] == 3
+    before = (out / "checkpoints" / "last.ckpt").read_bytes()
+    # a second run into the same directory must not touch its checkpoint unless resuming it
+    capsys.readouterr()
+    assert main(args) == 2
+    assert "already holds a checkpoint" in capsys.readouterr().err
+    assert (out / "checkpoints" / "last.ckpt").read_bytes() == before
+    # resuming it is allowed: the run continues from step 3 to 5
+    assert main([*args[:-4], "--max-steps", "5", "--output-dir", str(out), "--resume", "auto"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["global_step"] == 5 and summary["resumed_from_step"] == 3
+
+
+def test_print_config_round_trips_through_config(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--strategy", "sync", "--strategy.bucket_cap_mb", "7", "--lr", "0.02", "--print_config"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(text)
+    from gradsync.cli.main import parse_run
+
+    spec = parse_run("fit", ["--config", str(cfg)])
+    assert spec.strategy == "sync" and spec.strategy_options["bucket_cap_mb"] == 7.0
+    assert spec.model_options["lr"] == 0.02
+    # a flag after --config wins over the file
+    spec = parse_run("fit", ["--config", str(cfg), "--lr", "0.3"])
+    assert spec.model_options["lr"] == 0.3
