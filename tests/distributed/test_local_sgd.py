@@ -1,0 +1,206 @@
+"""local_sgd and diloco: equivalences, agreement after rounds, DiLoCo by hand, overlap, resume."""
+
+import hashlib
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from gradsync.recipes import DigitsClassifier, DigitsData
+from gradsync.strategies import DiLoCoStrategy, LocalSGDStrategy, SyncStrategy
+from harness import fit, max_abs_diff
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def model(momentum=0.0, seed=0):
+    L.seed_everything(seed, verbose=False)
+    return DigitsClassifier(lr=0.1, momentum=momentum)
+
+
+def digest(tensors):
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+class RecordHashes(Callback):
+    """After every optimizer step, a hash of this rank's parameters (and DiLoCo's outer state)."""
+
+    def __init__(self, out):
+        self.out, self.rows = Path(out), []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        s = trainer.strategy
+        outer = []
+        if getattr(s, "global_params", None) is not None:
+            outer = list(s.global_params) + [st["momentum_buffer"] for st in s.outer_optimizer.state.values()]
+        self.rows.append((trainer.global_step, digest(pl_module.parameters()), digest(outer) if outer else None))
+
+    def on_fit_end(self, trainer, pl_module):
+        final = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+        s = trainer.strategy
+        torch.save({"rows": self.rows, "final": final, "ledger": s.ledger.summary(),
+                    "in_flight": getattr(s, "_in_flight", None)}, self.out / f"hashes{trainer.global_rank}.pt")
+
+
+def test_local_sgd_period_1_equals_sync(tmp_path):
+    sync = fit(model(), DigitsData(batch_size=16), strategy=SyncStrategy(), devices=2, max_steps=20,
+               out=tmp_path / "sync")
+    local = fit(model(), DigitsData(batch_size=16), strategy=LocalSGDStrategy(period=1), devices=2,
+                max_steps=20, out=tmp_path / "local")
+    diff = max_abs_diff(local[0]["params"], sync[0]["params"])
+    assert diff <= 1e-5, f"local_sgd period 1 differs from sync by {diff}"
+    assert max_abs_diff(local[0]["params"], model().state_dict()) > 1e-3  # it trained
+    # one round per step, each the size of one step's gradients: the same bytes as sync
+    assert local[0]["ledger"]["wire_bytes"] == sync[0]["ledger"]["wire_bytes"]
+    assert local[0]["ledger"]["compression_ratio"] == 1.0
+
+
+@pytest.mark.parametrize("strategy", [
+    LocalSGDStrategy(period=4, warmup_steps=2),
+    DiLoCoStrategy(period=4, warmup_steps=2),
+], ids=["local_sgd", "diloco"])
+def test_ranks_identical_after_every_round_and_differ_between(tmp_path, strategy):
+    fit(model(momentum=0.9), DigitsData(batch_size=16), strategy=strategy, devices=2, max_steps=15,
+        out=tmp_path, callbacks=(RecordHashes(tmp_path),))
+    r0, r1 = (torch.load(tmp_path / f"hashes{r}.pt", weights_only=False) for r in (0, 1))
+    rounds = {2 + 4 * k for k in range(1, 4)}  # warm-up ends at 2, then every 4 steps: 6, 10, 14
+    for (step, p0, o0), (_, p1, o1) in zip(r0["rows"], r1["rows"]):
+        if step <= 2 or step in rounds:
+            assert p0 == p1, f"ranks differ after step {step} (a warm-up step or an averaging round)"
+        else:
+            assert p0 != p1, f"ranks agree after local step {step}: the step was not local"
+        assert o0 == o1, f"outer state differs after step {step}"
+    assert len(r0["rows"]) == 15
+    if isinstance(strategy, DiLoCoStrategy):
+        assert r0["rows"][-1][2] is not None
+    # fit ends mid-period (15): one more round, so every rank leaves with the same model
+    assert max_abs_diff(r0["final"], r1["final"]) == 0.0
+
+
+class CaptureRounds(DiLoCoStrategy):
+    """Records every rank's flat parameters just before each round."""
+
+    def _round(self):
+        self.captured = getattr(self, "captured", []) + [self._layout().flatten()[0].clone()]
+        super()._round()
+
+    def algorithm_state_dict(self):
+        return {**super().algorithm_state_dict(), "captured": getattr(self, "captured", [])}
+
+
+def test_diloco_two_rank_outer_nesterov_step_by_hand(tmp_path):
+    eta, mu, period = 0.5, 0.8, 3
+    theta0 = torch.cat([p.detach().reshape(-1) for p in model(momentum=0.9).parameters()])
+    ranks = fit(model(momentum=0.9), DigitsData(batch_size=16),
+                strategy=CaptureRounds(period=period, outer_lr=eta, outer_momentum=mu), devices=2,
+                max_steps=2 * period, out=tmp_path)
+    theta, m = theta0.clone(), torch.zeros_like(theta0)
+    for k in range(2):
+        local = [r["algorithm"]["captured"][k] for r in ranks]
+        assert not torch.equal(local[0], local[1])
+        delta = ((theta - local[0]) + (theta - local[1])) / 2  # the averaged pseudo-gradient
+        m = mu * m + delta
+        theta = theta - eta * (delta + mu * m)  # Nesterov
+    for r in ranks:
+        g = r["algorithm"]["global_params"][0]
+        assert (g - theta).abs().max() <= 1e-6
+        final = torch.cat([r["params"][k].reshape(-1) for k in r["params"]])
+        assert torch.equal(final, g)  # every rank restarts from the global parameters
+    mom = ranks[0]["algorithm"]["outer_optimizer"]["state"][0]["momentum_buffer"]
+    assert (mom - m).abs().max() <= 1e-6
+
+
+@pytest.mark.parametrize("cls", [LocalSGDStrategy, DiLoCoStrategy], ids=["local_sgd", "diloco"])
+def test_overlap_runs_collective_behind_local_steps(tmp_path, cls):
+    period, steps = 4, 18
+    ranks = fit(model(momentum=0.9), DigitsData(batch_size=16), strategy=cls(period=period, overlap=True),
+                devices=2, max_steps=steps, out=tmp_path, callbacks=(RecordHashes(tmp_path),))
+    numel = sum(p.numel() for p in model().parameters())
+    one_round = 4 * numel  # 2(N-1)/N x 4 bytes x numel, N = 2
+    for r in ranks:
+        stats = r["algorithm"]["overlap_stats"]
+        # rounds issued at 4, 8, 12, 16; collected at 8, 12, 16 after `period` local steps ran while
+        # the collective was in flight; the last is flushed when the state is read at the end (18)
+        assert stats["rounds"] == 4 and stats["steps_in_flight"] == 3 * period + 2
+        # and it had finished in the background before it was needed (on loopback it takes well
+        # under a millisecond; a period of steps takes tens)
+        assert stats["completed_before_needed"] >= 3
+        assert r["ledger"]["collectives"] == 4 and r["ledger"]["wire_bytes"] == 4 * one_round
+    h0, h1 = (torch.load(tmp_path / f"hashes{r}.pt", weights_only=False) for r in (0, 1))
+    # overlapped ranks never agree during training (each keeps its last period of progress) ...
+    assert all(a[1] != b[1] for a, b in zip(h0["rows"], h1["rows"]))
+    # ... but after the final flush and one blocking round they do, with nothing left in flight
+    assert max_abs_diff(h0["final"], h1["final"]) == 0.0
+    for h in (h0, h1):
+        assert h["in_flight"] is None and h["ledger"]["wire_bytes"] == 5 * one_round
+
+
+class SaveAt(Callback):
+    def __init__(self, step, path):
+        self.step, self.path, self.in_flight_after = step, path, None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+            self.in_flight_after = getattr(trainer.strategy, "_in_flight", None)
+            assert self.in_flight_after is None, "a checkpoint left a collective in flight"
+
+
+@pytest.mark.parametrize("make", [
+    lambda: LocalSGDStrategy(period=8, warmup_steps=3),
+    lambda: DiLoCoStrategy(period=8),
+    lambda: DiLoCoStrategy(period=4, overlap=True),
+], ids=["local_sgd", "diloco", "diloco-overlap"])
+def test_resume_mid_period_equals_uninterrupted(tmp_path, make):
+    steps, at = 22, 14  # 14 is mid-period for every case (3 + 8 + 3; 8 + 6; 12 + 2)
+    ckpt = tmp_path / "mid.ckpt"
+    full = fit(model(momentum=0.9), DigitsData(batch_size=16), strategy=make(), devices=2, max_steps=steps,
+               out=tmp_path / "full", callbacks=(SaveAt(at, ckpt),))
+    parts = torch.load(ckpt, weights_only=False)["gradsync"]["ranks"]
+    assert [p["num_steps"] for p in parts] == [at, at]
+    assert max_abs_diff(parts[0]["local_params"], parts[1]["local_params"]) > 0  # really mid-period
+    resumed = fit(model(momentum=0.9), DigitsData(batch_size=16), strategy=make(), devices=2,
+                  max_steps=steps, out=tmp_path / "resumed", ckpt_path=str(ckpt))
+    for a, b in zip(full, resumed):
+        assert b["algorithm"]["num_steps"] == steps  # the step counter survived the resume
+        diff = max_abs_diff(a["params"], b["params"])
+        assert diff <= 1e-6, f"resumed run differs from the uninterrupted one by {diff}"
+        assert b["ledger"]["wire_bytes"] == a["ledger"]["wire_bytes"]
+
+
+class ValAccuracy(Callback):
+    """Accuracy of the final model on the validation split, after the strategy's last round."""
+
+    def __init__(self, out):
+        self.out = Path(out)
+
+    @torch.no_grad()
+    def on_fit_end(self, trainer, pl_module):
+        x, y = trainer.datamodule.val_set.tensors
+        acc = (pl_module(x).argmax(1) == y).float().mean().item()
+        torch.save(acc, self.out / f"val_acc{trainer.global_rank}.pt")
+
+
+def test_convergence_on_digits_with_fewer_bytes(tmp_path):
+    steps = 184  # 8 epochs of 23 steps (1500 samples / (2 x 32)), a multiple of the period
+    results = {}
+    for name, strategy in [("sync", SyncStrategy()), ("local_sgd", LocalSGDStrategy(period=8)),
+                           ("diloco", DiLoCoStrategy(period=8))]:
+        out = tmp_path / name
+        r = fit(DigitsClassifier(), DigitsData(batch_size=32), strategy=strategy, devices=2, max_steps=steps,
+                out=out, callbacks=(ValAccuracy(out),))[0]
+        acc = torch.load(out / "val_acc0.pt")
+        assert acc == torch.load(out / "val_acc1.pt")  # both ranks end with the same model
+        results[name] = (acc, r["ledger"]["wire_bytes"], r["ledger"]["compression_ratio"])
+    sync_acc, sync_bytes, _ = results["sync"]
+    assert sync_acc > 0.9, results
+    for name in ("local_sgd", "diloco"):
+        acc, wire, ratio = results[name]
+        assert acc >= sync_acc - 0.02, f"{name} val_acc {acc:.3f} vs sync {sync_acc:.3f}: {results}"
+        assert sync_bytes >= 7 * wire and ratio == pytest.approx(8.0), results
+    print(results)
