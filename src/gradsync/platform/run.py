@@ -231,15 +231,19 @@ def execute(spec: RunSpec) -> dict:
         if clock.last_val_step != trainer.global_step:
             trainer.validate(model, datamodule=data, verbose=False)
         if spec.checkpoint_path is not None:
-            trainer.save_checkpoint(str(spec.checkpoint_path))
+            trainer.save_checkpoint(str(spec.checkpoint_path), weights_only=False)
     elif spec.command == "validate":
         trainer.validate(model, datamodule=data, ckpt_path=str(ckpt) if ckpt else None, verbose=False)
     else:
         trainer.test(model, datamodule=data, ckpt_path=str(ckpt) if ckpt else None, verbose=False)
 
     summary = build_summary(spec, trainer, model, data, clock, time.perf_counter() - t0, resumed_from)
-    if trainer.is_global_zero and spec.output_dir is not None:
-        write_json(spec.output_dir / "summary.json", summary)
+    if trainer.is_global_zero:
+        if spec.output_dir is not None:
+            write_json(spec.output_dir / "summary.json", summary)
+        from gradsync.platform.report import print_summary
+
+        print_summary(summary)
     _teardown()
     return summary
 
