@@ -6,7 +6,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from gradsync.recipes import DigitsClassifier, DigitsData
 from gradsync.strategies import DiLoCoStrategy, LocalSGDStrategy, SyncStrategy
@@ -204,3 +204,20 @@ def test_convergence_on_digits_with_fewer_bytes(tmp_path):
         assert acc >= sync_acc - 0.02, f"{name} val_acc {acc:.3f} vs sync {sync_acc:.3f}: {results}"
         assert sync_bytes >= 7 * wire and ratio == pytest.approx(8.0), results
     print(results)
+
+
+def test_resume_on_another_world_size_keeps_global_state(tmp_path):
+    ckpt_dir = tmp_path / "ckpt"
+    fit(model(momentum=0.9), DigitsData(batch_size=16), strategy=DiLoCoStrategy(period=8), devices=2, max_steps=12,
+        out=tmp_path / "first", callbacks=(ModelCheckpoint(dirpath=ckpt_dir, filename="mid", every_n_train_steps=12),))
+    saved = torch.load(ckpt_dir / "mid.ckpt", weights_only=False)["gradsync"]["ranks"][0]
+    ranks = fit(model(momentum=0.9), DigitsData(batch_size=16), strategy=DiLoCoStrategy(period=8), devices=3,
+                max_steps=16, out=tmp_path / "resumed", ckpt_path=str(ckpt_dir / "mid.ckpt"),
+                callbacks=(RecordHashes(tmp_path),))
+    for r in ranks:
+        assert r["algorithm"]["num_steps"] == 16  # the round fell at 16, not at 12 + 8
+        assert not torch.equal(r["algorithm"]["global_params"][0], saved["global_params"][0])
+    rows = [torch.load(tmp_path / f"hashes{r}.pt", weights_only=False)["rows"] for r in range(3)]
+    assert [row[0] for row in rows[0]] == [13, 14, 15, 16]
+    assert len({rows[r][-1][1] for r in range(3)}) == 1  # all three agree after the round at 16
+    assert len({rows[r][0][1] for r in range(3)}) == 3  # and trained locally before it

@@ -1,0 +1,67 @@
+"""local_sgd / diloco options, registration and resharding, without processes."""
+
+import warnings
+
+import lightning as L
+import pytest
+import torch
+
+from gradsync.errors import OptionError
+from gradsync.strategies import STRATEGIES, DiLoCoStrategy, LocalSGDStrategy
+
+
+@pytest.mark.parametrize("make, option", [
+    (lambda: LocalSGDStrategy(period=0), "period"),
+    (lambda: LocalSGDStrategy(period=2.5), "period"),
+    (lambda: LocalSGDStrategy(warmup_steps=-1), "warmup_steps"),
+    (lambda: DiLoCoStrategy(period=0), "period"),
+    (lambda: DiLoCoStrategy(outer_lr=-0.7), "outer_lr"),
+    (lambda: DiLoCoStrategy(outer_lr=0.0), "outer_lr"),
+    (lambda: DiLoCoStrategy(outer_momentum=1.0), "outer_momentum"),
+])
+def test_bad_options_fail_with_one_line(make, option):
+    with pytest.raises(OptionError) as err:
+        make()
+    msg = str(err.value)
+    assert msg.startswith(f"{option}=") and "\n" not in msg and "must be" in msg
+
+
+def test_registered_under_one_name_each():
+    assert STRATEGIES["local_sgd"] is LocalSGDStrategy and STRATEGIES["diloco"] is DiLoCoStrategy
+    trainer = L.Trainer(strategy="diloco", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(trainer.strategy, DiLoCoStrategy)
+    opts = DiLoCoStrategy(period=4, overlap=True).options
+    assert opts["period"] == 4 and opts["overlap"] is True and opts["outer_lr"] == 0.7
+    assert opts["outer_momentum"] == 0.9
+
+
+def _part(rank_value, **extra):
+    return {"ledger": {"wire_bytes": 10}, "num_steps": 13,
+            "local_params": {"w": torch.full((3,), float(rank_value)), "n": torch.tensor(7)},
+            "local_optimizer_states": [{"state": {}, "param_groups": []}], "anchor": None, "pending": None,
+            **extra}
+
+
+def test_reshard_keeps_shared_state_averages_local_and_warns():
+    g = [torch.arange(3.0)]
+    outer = {"state": {0: {"momentum_buffer": torch.ones(3)}}, "param_groups": []}
+    parts = [_part(r, global_params=g, outer_optimizer=outer) for r in (0, 1)]
+    parts[1]["pending"] = [torch.zeros(3)]
+    with pytest.warns(UserWarning) as caught:
+        state = DiLoCoStrategy(period=4).reshard_algorithm_state(parts, saved_world_size=2)
+    msg = str(caught[0].message)
+    assert "written by 2 processes" in msg and "local_optimizer_states" in msg and "pending" in msg
+    assert "num_steps" in msg and "global_params" in msg
+    assert state["num_steps"] == 13  # the step count survives any resume
+    assert state["global_params"] is g and state["outer_optimizer"] is outer
+    assert torch.equal(state["local_params"]["w"], torch.full((3,), 0.5))
+    assert int(state["local_params"]["n"]) == 7
+    assert "local_optimizer_states" not in state and state.get("pending") is None
+
+
+def test_local_sgd_reshard_has_no_global_state():
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        state = LocalSGDStrategy(period=4).reshard_algorithm_state([_part(1), _part(3), _part(5)], 3)
+    assert set(state) == {"ledger", "num_steps", "local_params"}
+    assert torch.equal(state["local_params"]["w"], torch.full((3,), 3.0))
