@@ -20,7 +20,7 @@ import importlib
 import os
 import sys
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence
 
 USAGE = """usage: gradsync {fit,validate,test} [--recipe NAME | --model CLASS --data CLASS] [--strategy NAME] [flags]
        gradsync list
@@ -151,7 +151,23 @@ def build_parser(command: str, sel: dict[str, Any]):
                    help="--strategy NAME: a gradsync strategy or a stock Lightning one such as ddp")
     p.add_argument("--accelerator", type=str, default="auto", help="cpu | gpu | auto")
     p.add_argument("--devices", type=int, default=1, help="processes per node (GPUs, or CPU processes)")
-    p.add_argument("--num_nodes", "--num-nodes", type=int, default=1, help="number of nodes")
+    p.add_argument("--num_nodes", "--num-nodes", "--nnodes", type=int, default=1,
+                   help="number of nodes (flag > default 1); under srun, SLURM's node count")
+    p.add_argument("--node_rank", "--node-rank", type=Optional[int], default=None,
+                   help="this node's rank, 0..nnodes-1 (flag > $NODE_RANK > 0)")
+    p.add_argument("--master_addr", "--master-addr", type=Optional[str], default=None,
+                   help="rendezvous host (flag > $MASTER_ADDR > 127.0.0.1)")
+    p.add_argument("--master_port", "--master-port", type=Optional[int], default=None,
+                   help="rendezvous port (flag > $MASTER_PORT > a free port on one node, 29500 on several)")
+    p.add_argument("--max_restarts", "--max-restarts", type=int, default=0,
+                   help="restart the process group this many times after a worker dies; training resumes from "
+                        "the output dir's last checkpoint (flag > default 0)")
+    p.add_argument("--rdzv_backend", "--rdzv-backend", type=Literal["static", "c10d"], default="static",
+                   help="static: --master-addr/--node-rank; c10d: elastic rendezvous at --master-addr:--master-port")
+    p.add_argument("--rdzv_id", "--rdzv-id", type=Optional[str], default=None,
+                   help="c10d rendezvous id, the same on every node (flag > $SLURM_JOB_ID > 'gradsync')")
+    p.add_argument("--print_launch", "--print-launch", action="store_true",
+                   help="print the per-node torchrun commands and an sbatch script, then exit")
     p.add_argument("--max_steps", "--max-steps", type=int, default=-1, help="stop after this many optimizer steps")
     p.add_argument("--max_epochs", "--max-epochs", type=Optional[int], default=None, help="stop after this many epochs")
     p.add_argument("--seed", type=int, default=0, help="seed of model init and data order")
@@ -230,6 +246,13 @@ def parse_run(command: str, argv: Sequence[str]):
         output_dir=Path(d["output_dir"]) if d["output_dir"] else None, resume=d["resume"],
         checkpoint_every=d["checkpoint_every"], global_batch_size=d["global_batch_size"],
     )
+    from gradsync.platform.launch import LaunchConfig
+
+    spec.launch = LaunchConfig(
+        nproc_per_node=d["devices"], nnodes=d["num_nodes"], node_rank=d["node_rank"], master_addr=d["master_addr"],
+        master_port=d["master_port"], max_restarts=d["max_restarts"], rdzv_backend=d["rdzv_backend"],
+        rdzv_id=d["rdzv_id"])
+    spec.print_launch = bool(d["print_launch"])
     if spec.command == "fit" and spec.max_steps == -1 and spec.max_epochs is None:
         spec.max_epochs = 10
     return spec
@@ -242,6 +265,11 @@ def _check_run_flags(d: dict) -> None:
         ("--max-steps", d["max_steps"], d["max_steps"] == -1 or d["max_steps"] >= 1, "must be >= 1 (or -1: no limit)"),
         ("--max-epochs", d["max_epochs"], d["max_epochs"] is None or d["max_epochs"] >= 1, "must be >= 1"),
         ("--checkpoint-every", d["checkpoint_every"], d["checkpoint_every"] >= 0, "must be >= 0 steps"),
+        ("--max-restarts", d["max_restarts"], d["max_restarts"] >= 0, "must be >= 0"),
+        ("--node-rank", d["node_rank"], d["node_rank"] is None or 0 <= d["node_rank"] < d["num_nodes"],
+         f"must be in 0..{d['num_nodes'] - 1} (one less than --nnodes)"),
+        ("--master-port", d["master_port"], d["master_port"] is None or 0 < d["master_port"] < 65536,
+         "must be a TCP port, 1..65535"),
         ("--accelerator", d["accelerator"], d["accelerator"] in ("cpu", "gpu", "cuda", "auto"),
          "must be cpu, gpu or auto"),
     ]
@@ -298,16 +326,21 @@ def cmd_list() -> int:
 
 
 def cmd_run(command: str, argv: list[str]) -> int:
-    from gradsync.platform.launch import inside_launcher, run_torchrun, torchrun_command
+    from gradsync.platform import launch
 
     spec = parse_run(command, argv)  # --help / --print_config exit inside jsonargparse
-    launching = spec.devices > 1 and not inside_launcher()
-    if not inside_launcher():
+    if spec.print_launch:
+        print(launch.print_launch([command, *argv], spec.launch.resolved()))
+        return 0
+    if launch.inside_srun() and not launch.inside_torchrun():
+        task = launch.slurm_task(master_port=spec.launch.master_port)
+        os.environ.setdefault("MASTER_ADDR", task.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(task.master_port))
+    elif not launch.inside_launcher():
         validate_spec(spec)
-    if launching:
-        if spec.num_nodes > 1:
-            raise UsageError("--num-nodes > 1 needs a multi-node launcher; start gradsync under torchrun or srun")
-        return run_torchrun(torchrun_command([command, *argv], nproc_per_node=spec.devices))
+        if spec.devices > 1 or spec.num_nodes > 1 or spec.launch.max_restarts > 0:
+            cfg = spec.launch.resolved()
+            return launch.run_torchrun(launch.torchrun_command([command, *argv], cfg))
     from gradsync.platform.run import execute
 
     execute(spec)

@@ -1,22 +1,89 @@
-"""Starting processes: torchrun (torch.distributed.run) on one machine; never a home-made launcher.
+"""Starting processes: torchrun (``torch.distributed.run``) or SLURM's ``srun``; never a home-made launcher.
 
-Inside a launcher already (torchrun's environment) gradsync runs the job in the current process.
+* Outside any launcher, ``gradsync fit --devices N [--nnodes M --node-rank R ...]`` re-runs itself
+  under torchrun's elastic agent on this node.
+* Inside torchrun (its variables are set) or inside ``srun`` with one task per device, gradsync
+  runs the job in the current process and lets Lightning read the environment.
+
+Precedence of every launch setting: flag > environment variable > default. A single-node run
+rendezvouses on 127.0.0.1.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import socket
 import subprocess
 import sys
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
 
-LAUNCHER_VARS = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
+TORCHRUN_VARS = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
+DEFAULT_PORT = 29500
 
 
-def inside_launcher(env: os._Environ | dict = os.environ) -> bool:
-    """True when this process was started by torchrun (or another launcher that sets its variables)."""
-    return all(v in env for v in LAUNCHER_VARS)
+def inside_torchrun(env: Mapping[str, str] = os.environ) -> bool:
+    return all(v in env for v in TORCHRUN_VARS)
+
+
+def inside_srun(env: Mapping[str, str] = os.environ) -> bool:
+    """True inside an ``srun`` job step (not merely inside an ``sbatch`` allocation's batch script)."""
+    return "SLURM_STEP_ID" in env and "SLURM_PROCID" in env and env.get("SLURM_JOB_NAME") not in ("bash", "interactive")
+
+
+def inside_launcher(env: Mapping[str, str] = os.environ) -> bool:
+    """True when a launcher (torchrun or srun) already started this process: don't launch again."""
+    return inside_torchrun(env) or inside_srun(env)
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``gpu[03-05,09],cpu1`` -> ``gpu03``."""
+    m = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
+    if not m:
+        raise ValueError(f"cannot parse SLURM node list {nodelist!r}")
+    prefix, _, ranges = m.groups()
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+@dataclass(frozen=True)
+class SlurmTask:
+    """What one ``srun`` task is in torch.distributed terms."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    num_nodes: int
+    master_addr: str
+    master_port: int
+
+
+def slurm_task(env: Mapping[str, str] = os.environ, master_port: Optional[int] = None) -> SlurmTask:
+    """Map SLURM's variables to ranks and the rendezvous address (first host of the node list).
+
+    The port is the flag's, else ``MASTER_PORT``, else derived from the job id so that every task
+    of the job agrees on it without talking.
+    """
+    world = int(env["SLURM_NTASKS"])
+    nodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
+    per_node = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_STEP_TASKS_PER_NODE") or str(world // nodes)
+    port = master_port or (int(env["MASTER_PORT"]) if "MASTER_PORT" in env
+                           else 15000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
+    return SlurmTask(
+        rank=int(env["SLURM_PROCID"]),
+        local_rank=int(env["SLURM_LOCALID"]),
+        world_size=world,
+        local_world_size=int(re.match(r"\d+", per_node).group()),
+        node_rank=int(env.get("SLURM_NODEID", 0)),
+        num_nodes=nodes,
+        master_addr=env.get("MASTER_ADDR") or first_host(env.get("SLURM_JOB_NODELIST") or env["SLURM_NODELIST"]),
+        master_port=port,
+    )
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -25,16 +92,96 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def torchrun_command(argv: Sequence[str], *, nproc_per_node: int, master_addr: str = "127.0.0.1",
-                     master_port: int | None = None) -> list[str]:
-    """The torchrun command that re-runs ``gradsync <argv>`` in ``nproc_per_node`` processes."""
-    port = master_port or free_port(master_addr)
-    return [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", "1", "--nproc-per-node", str(nproc_per_node),
-        "--master-addr", master_addr, "--master-port", str(port),
-        "-m", "gradsync.cli.main", *argv,
+@dataclass
+class LaunchConfig:
+    """torchrun settings; ``None`` means "from the environment, else the default"."""
+
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: Optional[int] = None
+    master_addr: Optional[str] = None
+    master_port: Optional[int] = None
+    max_restarts: int = 0
+    rdzv_backend: str = "static"
+    rdzv_id: Optional[str] = None
+
+    def resolved(self, env: Mapping[str, str] = os.environ) -> "LaunchConfig":
+        addr = self.master_addr or env.get("MASTER_ADDR") or "127.0.0.1"
+        port = self.master_port or (int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else None)
+        if port is None:
+            # one node: any free port; several: they must agree without talking, so a fixed one
+            port = free_port(addr) if self.nnodes == 1 and addr in ("127.0.0.1", "localhost") else DEFAULT_PORT
+        node_rank = self.node_rank if self.node_rank is not None else int(env.get("NODE_RANK", 0))
+        rdzv_id = self.rdzv_id or env.get("SLURM_JOB_ID") or "gradsync"
+        return LaunchConfig(self.nproc_per_node, self.nnodes, node_rank, addr, port, self.max_restarts,
+                            self.rdzv_backend, rdzv_id)
+
+
+def torchrun_args(cfg: LaunchConfig, *, node_rank: Optional[int] = None) -> list[str]:
+    """torchrun's own arguments for ``cfg`` (already resolved)."""
+    args = ["--nnodes", str(cfg.nnodes), "--nproc-per-node", str(cfg.nproc_per_node),
+            "--max-restarts", str(cfg.max_restarts)]
+    if cfg.rdzv_backend == "static":
+        args += ["--node-rank", str(cfg.node_rank if node_rank is None else node_rank),
+                 "--master-addr", str(cfg.master_addr), "--master-port", str(cfg.master_port)]
+    else:
+        args += ["--rdzv-backend", cfg.rdzv_backend, "--rdzv-endpoint", f"{cfg.master_addr}:{cfg.master_port}",
+                 "--rdzv-id", str(cfg.rdzv_id)]
+    return args
+
+
+def torchrun_command(argv: Sequence[str], cfg: LaunchConfig, *, python: str = sys.executable,
+                     node_rank: Optional[int] = None) -> list[str]:
+    """The command that re-runs ``gradsync <argv>`` under torchrun on one node."""
+    return [python, "-m", "torch.distributed.run", *torchrun_args(cfg, node_rank=node_rank),
+            "-m", "gradsync.cli.main", *argv]
+
+
+LAUNCH_FLAGS = ("--print-launch", "--print_launch")
+
+
+def print_launch(argv: Sequence[str], cfg: LaunchConfig) -> str:
+    """Copy-paste commands: one torchrun line per node, and an sbatch script for SLURM."""
+    job = [a for a in argv if a not in LAUNCH_FLAGS]
+    lines = [f"# torchrun: run on each node ({cfg.nnodes} node(s) x {cfg.nproc_per_node} process(es))"]
+    for r in range(cfg.nnodes):
+        cmd = ["torchrun", *torchrun_args(cfg, node_rank=r), "-m", "gradsync.cli.main", *job]
+        lines.append(f"# node {r}:" if cfg.rdzv_backend == "static" else "# any node:")
+        lines.append(shlex.join(cmd))
+        if cfg.rdzv_backend != "static":
+            break
+    srun_job = _strip_launch_flags(job)
+    lines += [
+        "",
+        "# SLURM: save the lines below as job.sbatch and submit with `sbatch job.sbatch`",
+        "# (srun starts one task per device; gradsync maps SLURM's variables to ranks itself)",
+        "#!/bin/bash",
+        f"#SBATCH --nodes={cfg.nnodes}",
+        f"#SBATCH --ntasks-per-node={cfg.nproc_per_node}",
+        f"#SBATCH --gpus-per-node={cfg.nproc_per_node}",
+        "#SBATCH --job-name=gradsync",
+        "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}",
+        "srun " + shlex.join(["gradsync", *srun_job, "--devices", str(cfg.nproc_per_node), "--nnodes", str(cfg.nnodes)]),
     ]
+    return "\n".join(lines)
+
+
+def _strip_launch_flags(argv: Sequence[str]) -> list[str]:
+    """Remove flags that srun supplies itself (devices, nodes, node rank, rendezvous)."""
+    drop_with_value = {"--devices", "--nnodes", "--num-nodes", "--num_nodes", "--node-rank", "--node_rank",
+                       "--master-addr", "--master_addr", "--master-port", "--master_port", "--rdzv-backend",
+                       "--rdzv_backend", "--rdzv-id", "--rdzv_id", "--max-restarts", "--max_restarts"}
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        key = a.split("=", 1)[0]
+        if key in drop_with_value:
+            skip = "=" not in a
+            continue
+        out.append(a)
+    return out
 
 
 def run_torchrun(cmd: list[str]) -> int:

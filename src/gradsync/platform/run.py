@@ -51,6 +51,8 @@ class RunSpec:
     resume: Optional[str] = None
     checkpoint_every: int = 0
     global_batch_size: Optional[int] = None
+    launch: Any = None  # gradsync.platform.launch.LaunchConfig, when started from the CLI
+    print_launch: bool = False
 
     @property
     def world_size(self) -> int:
@@ -208,6 +210,9 @@ def build_trainer(spec: RunSpec, strategy: Union[Strategy, str], clock: _RunCloc
 def execute(spec: RunSpec) -> dict:
     """Run ``spec.command`` and return the run summary (also written to ``DIR/summary.json``)."""
     t0 = time.perf_counter()
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0 and spec.resume is None:
+        # torchrun restarted the group after a worker died: continue from the last checkpoint
+        spec.resume = "auto"
     ckpt = resolve_checkpoint_to_resume(spec)
     L.seed_everything(spec.seed, workers=True, verbose=False)
     model = spec.model_class(**spec.model_options)
@@ -297,6 +302,7 @@ def build_summary(spec: RunSpec, trainer: L.Trainer, model: Any, data: Any, cloc
 
     if dist.is_available() and dist.is_initialized():
         backend = dist.get_backend()
+    agree = ranks_agree(model)
     return {
         "recipe": spec.recipe,
         "model": f"{spec.model_class.__module__}.{spec.model_class.__qualname__}",
@@ -321,9 +327,25 @@ def build_summary(spec: RunSpec, trainer: L.Trainer, model: Any, data: Any, cloc
         "samples_per_second": round(steps * global_batch / clock.fit_seconds, 2) if clock.fit_seconds else None,
         "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
         "resumed_from_step": resumed_from,
+        "ranks_agree": agree,
         "checkpoint": str(spec.checkpoint_path) if spec.checkpoint_path and spec.checkpoint_path.exists() else None,
         "versions": {"torch": torch.__version__, "lightning": L.__version__},
     }
+
+
+def ranks_agree(model: torch.nn.Module) -> bool:
+    """Whether every rank holds the same weights (a float64 fingerprint, compared exactly)."""
+    import torch.distributed as dist
+
+    params = [p.detach() for p in model.parameters()]
+    if not params or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return True
+    flat = torch.cat([p.reshape(-1).double() for p in params])
+    idx = torch.arange(flat.numel(), dtype=torch.float64, device=flat.device)
+    fp = torch.stack([flat.sum(), (flat * flat).sum(), (flat * (idx % 97 + 1)).sum()])
+    parts = [torch.zeros_like(fp) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, fp)
+    return all(torch.equal(parts[0], p) for p in parts[1:])
 
 
 def _num(v: Any) -> Optional[float]:

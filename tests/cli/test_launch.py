@@ -1,0 +1,82 @@
+"""Multi-node launch: two nodes on one machine, SLURM variable mapping, copy-paste launch commands."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from gradsync.cli.main import main
+from gradsync.platform.launch import LaunchConfig, first_host, inside_launcher, slurm_task, torchrun_args
+from harness import free_port
+
+
+def test_two_nodes_on_localhost_train_and_agree(tmp_path):
+    port = free_port()
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for var in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
+        env.pop(var, None)
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "gradsync.cli.main", "fit", "--recipe", "digits", "--strategy", "sync",
+         "--accelerator", "cpu", "--devices", "1", "--nnodes", "2", "--node-rank", str(rank),
+         "--master-addr", "127.0.0.1", "--master-port", str(port), "--max-steps", "10",
+         "--strategy.timeout_seconds", "120", "--output-dir", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for rank in (0, 1)]
+    try:
+        logs = [p.communicate(timeout=200)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], logs[0][-2000:] + logs[1][-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["num_nodes"] == 2
+    assert summary["global_step"] == 10 and summary["ranks_agree"] is True
+
+
+SLURM_ENV = {
+    "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "8",
+    "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS_PER_NODE": "4", "SLURM_PROCID": "6", "SLURM_LOCALID": "2",
+    "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[07-08]",
+}
+
+
+def test_slurm_variables_map_to_ranks_and_address():
+    task = slurm_task(SLURM_ENV)
+    assert (task.rank, task.local_rank, task.world_size, task.local_world_size) == (6, 2, 8, 4)
+    assert (task.node_rank, task.num_nodes) == (1, 2)
+    assert task.master_addr == "gpu07"
+    assert task.master_port == 15000 + 4242  # derived from the job id: every task agrees without talking
+    assert slurm_task({**SLURM_ENV, "MASTER_PORT": "23456"}).master_port == 23456
+    assert slurm_task(SLURM_ENV, master_port=30000).master_port == 30000   # flag > environment
+    assert inside_launcher(SLURM_ENV)
+    assert not inside_launcher({k: v for k, v in SLURM_ENV.items() if k != "SLURM_STEP_ID"})  # sbatch script
+
+
+@pytest.mark.parametrize("nodelist, host", [("gpu[07-08]", "gpu07"), ("node1,node2", "node1"),
+                                            ("a[3,5-9],b1", "a3"), ("single", "single")])
+def test_first_host_of_nodelist(nodelist, host):
+    assert first_host(nodelist) == host
+
+
+def test_launch_precedence_flag_env_default():
+    env = {"MASTER_ADDR": "10.1.1.1", "MASTER_PORT": "1234", "NODE_RANK": "1"}
+    assert LaunchConfig(nnodes=2).resolved(env).master_addr == "10.1.1.1"
+    assert LaunchConfig(nnodes=2, master_addr="10.9.9.9").resolved(env).master_addr == "10.9.9.9"
+    cfg = LaunchConfig(nnodes=2).resolved({})
+    assert (cfg.master_addr, cfg.master_port, cfg.node_rank) == ("127.0.0.1", 29500, 0)
+    assert LaunchConfig(nnodes=2).resolved(env).node_rank == 1
+    args = torchrun_args(LaunchConfig(nnodes=2, nproc_per_node=4, rdzv_backend="c10d").resolved({}))
+    assert args[args.index("--rdzv-endpoint") + 1] == "127.0.0.1:29500" and "--node-rank" not in args
+
+
+def test_print_launch_gives_per_node_torchrun_and_sbatch(capsys):
+    assert main(["fit", "--recipe", "digits", "--devices", "4", "--nnodes", "2", "--master-addr", "10.0.0.1",
+                 "--max-steps", "100", "--print-launch"]) == 0
+    out = capsys.readouterr().out
+    assert "--node-rank 0 --master-addr 10.0.0.1 --master-port 29500" in out
+    assert "--node-rank 1 --master-addr 10.0.0.1" in out
+    assert "#SBATCH --nodes=2" in out and "#SBATCH --ntasks-per-node=4" in out
+    srun = [line for line in out.splitlines() if line.startswith("srun ")][0]
+    assert "--master-addr" not in srun and "--print-launch" not in srun and "--max-steps 100" in srun
