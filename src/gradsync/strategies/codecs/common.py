@@ -24,28 +24,65 @@ from gradsync.strategies.ledger import CommLedger
 
 
 @dataclass
+class BucketLayout:
+    """A bucket's parameters in the model's own order, with where each sits in the bucket buffer.
+
+    Codecs compress the bucket in this *canonical* order, so chunk scales, shards and random draws
+    do not depend on the order DDP happened to put parameters in (which changes when DDP rebuilds
+    its buckets after the first step, and again on every resume): a resumed run then compresses
+    exactly like the uninterrupted one.
+    """
+
+    keys: list  # (name, numel), canonical order
+    offsets: list  # offset of each in the bucket buffer
+    shapes: list
+
+    def gather(self, buffer: torch.Tensor) -> torch.Tensor:
+        """The buffer's entries in canonical order, as a new float32 vector."""
+        parts = [buffer[o:o + n] for o, (_, n) in zip(self.offsets, self.keys)]
+        return torch.cat(parts).to(torch.float32) if parts else buffer.new_zeros(0, dtype=torch.float32)
+
+    def scatter(self, flat: torch.Tensor, buffer: torch.Tensor) -> None:
+        """Write a canonical-order vector back into the bucket buffer."""
+        pos = 0
+        for o, (_, n) in zip(self.offsets, self.keys):
+            buffer[o:o + n].copy_(flat[pos:pos + n])
+            pos += n
+
+
+@dataclass
 class CodecState:
     """Base of every codec's hook state: where bytes are recorded and which group reduces."""
 
     ledger: CommLedger = field(default_factory=CommLedger, repr=False)
     group: Optional[dist.ProcessGroup] = field(default=None, repr=False)
-    #: id(parameter) -> stable name; set by :meth:`bind`. Unbound parameters get positional names.
+    #: id(parameter) -> (position, name) in the model; set by :meth:`bind`.
     param_names: dict = field(default_factory=dict, repr=False, compare=False)
 
     def bind(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]]) -> "CodecState":
         """Name the model's parameters so per-parameter state survives bucket rebuilds and resume."""
-        self.param_names = {id(p): name for name, p in named_parameters}
+        self.param_names = {id(p): (i, name) for i, (name, p) in enumerate(named_parameters)}
         return self
 
+    def bucket_layout(self, bucket: dist.GradBucket) -> BucketLayout:
+        """The bucket's parameters in canonical (model) order; unbound ones keep bucket order, last."""
+        entries, offset = [], 0
+        for i, p in enumerate(bucket.parameters()):
+            order, name = self.param_names.get(id(p), ((1 << 40) + i, f"bucket{bucket.index()}.{i}"))
+            entries.append((order, name, p.numel(), offset, p.shape))
+            offset += p.numel()
+        entries.sort(key=lambda e: e[0])
+        return BucketLayout(keys=[(e[1], e[2]) for e in entries], offsets=[e[3] for e in entries],
+                            shapes=[e[4] for e in entries])
+
     def bucket_keys(self, bucket: dist.GradBucket) -> list[tuple[str, int]]:
-        """``(name, numel)`` of each parameter in ``bucket``, in the bucket buffer's order."""
-        return [(self.param_names.get(id(p), f"bucket{bucket.index()}.{i}"), p.numel())
-                for i, p in enumerate(bucket.parameters())]
+        """``(name, numel)`` of each parameter in ``bucket``, in canonical order."""
+        return self.bucket_layout(bucket).keys
 
     def world_size(self) -> int:
         return dist.get_world_size(self.group)
 
-    def rank(self) -> int:
+    def group_rank(self) -> int:
         return dist.get_rank(self.group)
 
     # ---- runtime state (overridden by codecs that have any) ---------------------------------

@@ -58,7 +58,7 @@ class Int8State(CodecState):
 
     def generator(self, device: torch.device) -> torch.Generator:
         if self._generator is None or self._generator.device != device:
-            rank = self.rank() if dist.is_initialized() else 0
+            rank = self.group_rank() if dist.is_initialized() else 0
             self._generator = make_generator(device, self.seed + rank, self._restored_generator)
             self._restored_generator = None
         return self._generator
@@ -107,11 +107,12 @@ def _decode(msg: torch.Tensor, shard: int, chunk_size: int) -> torch.Tensor:
 def int8_hook(state: Int8State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average a bucket with int8 all-to-all + int8 all-gather (see the module docstring)."""
     buffer = bucket.buffer()
-    n, world, rank = buffer.numel(), state.world_size(), state.rank()
+    n, world = buffer.numel(), state.world_size()
     state.ledger.add_logical(fp32_allreduce_bytes(n, world))
+    layout = state.bucket_layout(bucket)
     gen = state.generator(buffer.device)
     shard = shard_length(n, world)
-    x = pad_to(buffer.to(torch.float32).div(world), shard * world)
+    x = pad_to(layout.gather(buffer).div_(world), shard * world)
 
     # Hop 1 (all-to-all): rank j gets every rank's quantized shard j and sums the decoded values.
     send = torch.cat([_encode(x[j * shard:(j + 1) * shard], state.chunk_size, gen) for j in range(world)])
@@ -128,7 +129,7 @@ def int8_hook(state: Int8State, bucket: dist.GradBucket) -> torch.futures.Future
 
     def decompress(f: torch.futures.Future) -> torch.Tensor:
         parts = [_decode(m, shard, state.chunk_size) for m in f.value().view(world, msg).unbind(0)]
-        buffer.copy_(torch.cat(parts)[:n])
+        layout.scatter(torch.cat(parts)[:n], buffer)
         return buffer
 
     return fut.then(decompress)

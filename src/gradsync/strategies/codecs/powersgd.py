@@ -106,25 +106,22 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     buffer = bucket.buffer()
     n_total, world = buffer.numel(), state.world_size()
     state.ledger.add_logical(fp32_allreduce_bytes(n_total, world))
-    x = buffer.to(torch.float32).div(world)
-    keys = state.bucket_keys(bucket)
-    shapes = [p.shape for p in bucket.parameters()]
+    buffer_f32 = buffer.to(torch.float32).div(world)  # a copy: the buffer is written below
+    layout = state.bucket_layout(bucket)  # canonical order: Q draws do not depend on DDP's bucket order
 
-    matrices, plain = [], []  # (name, offset, n, m, r, M) / (offset, numel)
-    offset = 0
-    for (name, numel), shape in zip(keys, shapes):
+    matrices, plain = [], []  # (name, offset, n, m, r, M) / (offset, numel), offsets into the buffer
+    for (name, numel), offset, shape in zip(layout.keys, layout.offsets, layout.shapes):
         dims = matrix_shape(shape, state.rank)
         if dims is None:
             plain.append((offset, numel))
         else:
             n, m, r = dims
-            mat = x[offset:offset + numel].view(n, m)
+            mat = buffer_f32[offset:offset + numel].view(n, m)
             if state.error_feedback:
                 err = state.errors.pieces.get(name)
                 if err is not None and err.numel() == numel:
                     mat = mat + err.to(mat.device).view(n, m)
             matrices.append((name, offset, n, m, r, mat))
-        offset += numel
 
     gen = state.generator(buffer.device)
     qs = []
@@ -136,7 +133,7 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
 
     # All-reduce 1: every P (M Q) and the uncompressed entries, in one message.
     ps_local = [mat @ q for (_, _, _, _, _, mat), q in zip(matrices, qs)]
-    first = torch.cat([p.flatten() for p in ps_local] + [x[o:o + k] for o, k in plain])
+    first = torch.cat([p.flatten() for p in ps_local] + [buffer_f32[o:o + k] for o, k in plain])
     state.ledger.all_reduce(first, group=state.group)
     ps, pos = [], 0
     for p_local in ps_local:

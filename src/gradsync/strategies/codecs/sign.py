@@ -112,13 +112,14 @@ def _decode(msg: torch.Tensor, shard: int, chunk_size: int) -> torch.Tensor:
 def sign_hook(state: SignState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average a bucket as scaled signs, with worker- and reducer-side error feedback."""
     buffer = bucket.buffer()
-    n, world, rank = buffer.numel(), state.world_size(), state.rank()
+    n, world, rank = buffer.numel(), state.world_size(), state.group_rank()
     state.ledger.add_logical(fp32_allreduce_bytes(n, world))
-    keys = state.bucket_keys(bucket)
+    layout = state.bucket_layout(bucket)
+    keys = layout.keys
     shard = shard_length(n, world, multiple=8)
     own = slice(rank * shard, (rank + 1) * shard)
 
-    x = pad_to(buffer.to(torch.float32).div(world), shard * world)
+    x = pad_to(layout.gather(buffer).div_(world), shard * world)
     if state.error_feedback:
         reducer = pad_to(state.reducer_residuals.gather(keys, buffer), shard * world)
         stranded = reducer.clone()
@@ -148,7 +149,7 @@ def sign_hook(state: SignState, bucket: dist.GradBucket) -> torch.futures.Future
 
     def decode_all(f: torch.futures.Future) -> torch.Tensor:
         parts = [_decode(m, shard, state.chunk_size) for m in f.value().view(world, msg).unbind(0)]
-        buffer.copy_(torch.cat(parts)[:n])
+        layout.scatter(torch.cat(parts)[:n], buffer)
         return buffer
 
     return fut.then(decode_all)

@@ -74,8 +74,9 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
     buffer = bucket.buffer()
     n, world = buffer.numel(), state.world_size()
     state.ledger.add_logical(fp32_allreduce_bytes(n, world))
-    keys = state.bucket_keys(bucket)
-    x = buffer.to(torch.float32).div(world)
+    layout = state.bucket_layout(bucket)
+    keys = layout.keys
+    x = layout.gather(buffer).div_(world)
     if state.error_feedback:
         x = x + state.residuals.gather(keys, buffer)
     k = num_kept(n, state.fraction)
@@ -95,7 +96,7 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
         # Rank by rank: indices are unique within a rank, so each index_add_ is deterministic.
         for part in f.value().view(world, 2 * k).unbind(0):
             out.index_add_(0, part[:k].long(), part[k:].view(torch.float32))
-        buffer.copy_(out)
+        layout.scatter(out, buffer)
         return buffer
 
     return fut.then(decode_all)
