@@ -163,7 +163,7 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
 
     # ---- what subclasses define ----------------------------------------------------------------
     def _begin_local_phase(self, params: list[torch.Tensor]) -> None:
-        """Called once, before the first local step, with the (identical) flat parameters."""
+        """Called before the first local step of a fit (also of a resumed one) with the flat parameters."""
 
     def _payload(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """What this rank contributes to the average, per flat group (new tensors)."""
@@ -187,7 +187,8 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         warmup = self.steps.in_warmup  # the hook reads the same count during this step's backward
         if not warmup and not self._local_phase_started:
-            self._begin_local_phase([f[:n] for f, n in zip(self._layout().flatten(), self._layout().num_params)])
+            layout = self._layout()
+            self._begin_local_phase([f[:n] for f, n in zip(layout.flatten(), layout.num_params)])
             self._local_phase_started = True
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self.steps.num_steps += 1
@@ -309,7 +310,6 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
     def load_algorithm_state_dict(self, state: dict) -> None:
         super().load_algorithm_state_dict(state)
         self.steps.num_steps = int(state.get("num_steps", 0))
-        self._local_phase_started = not self.steps.in_warmup
         self.overlap_stats.update(state.get("overlap_stats", {}))
         if state.get("local_params") is not None:
             module = self.lightning_module
