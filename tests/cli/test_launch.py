@@ -71,7 +71,9 @@ def test_launch_precedence_flag_env_default():
     assert args[args.index("--rdzv-endpoint") + 1] == "127.0.0.1:29500" and "--node-rank" not in args
 
 
-def test_print_launch_gives_per_node_torchrun_and_sbatch(capsys):
+def test_print_launch_gives_per_node_torchrun_and_sbatch(capsys, monkeypatch):
+    for var in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):  # other tests' processes may have set them
+        monkeypatch.delenv(var, raising=False)
     assert main(["fit", "--recipe", "digits", "--devices", "4", "--nnodes", "2", "--master-addr", "10.0.0.1",
                  "--max-steps", "100", "--print-launch"]) == 0
     out = capsys.readouterr().out
