@@ -38,6 +38,7 @@ class DumpRankState(Callback):
             "ledger": strategy.ledger.summary() if hasattr(strategy, "ledger") else None,
             "algorithm": strategy.algorithm_state_dict() if hasattr(strategy, "algorithm_state_dict") else None,
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+            "skipped": list(getattr(strategy, "skipped_steps", [])),
         }
         torch.save(state, self.out / f"rank{trainer.global_rank}.pt")
 

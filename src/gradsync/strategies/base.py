@@ -19,6 +19,7 @@ Subclasses store each option as an attribute of the same name.
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import warnings
 from datetime import timedelta
@@ -28,10 +29,11 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 
-from gradsync.errors import check
+from gradsync.errors import GradsyncError, check
 from gradsync.strategies.ledger import CommLedger
 
 Backend = Literal["auto", "nccl", "gloo"]
+log = logging.getLogger("gradsync")
 
 # Options of the base that are DDP wrapper settings (passed to torch's DistributedDataParallel).
 _DDP_OPTIONS = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "find_unused_parameters")
@@ -53,6 +55,7 @@ class GradsyncStrategy(DDPStrategy):
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
         find_unused_parameters: bool = False,
+        nonfinite_grads: Literal["off", "skip", "stop"] = "off",
     ) -> None:
         """
         Args:
@@ -62,6 +65,10 @@ class GradsyncStrategy(DDPStrategy):
             gradient_as_bucket_view: let gradients alias DDP's buckets (saves one gradient-sized copy).
             static_graph: tell DDP the set of used parameters never changes (enables extra overlap).
             find_unused_parameters: let DDP tolerate parameters that get no gradient in a step.
+            nonfinite_grads: what to do when any rank has a NaN/Inf gradient: ``off`` (nothing),
+                ``skip`` (every rank skips that optimizer step together, and it is logged) or
+                ``stop`` (the run ends with an error naming the step). Decided for all ranks at
+                once, so one rank never steps while another skips.
         """
         check(backend in ("auto", "nccl", "gloo"), "backend", backend, "must be one of auto, nccl, gloo")
         check(timeout_seconds > 0, "timeout_seconds", timeout_seconds, "must be > 0 seconds")
@@ -72,6 +79,9 @@ class GradsyncStrategy(DDPStrategy):
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
         self.static_graph = bool(static_graph)
         self.find_unused_parameters = bool(find_unused_parameters)
+        check(nonfinite_grads in ("off", "skip", "stop"), "nonfinite_grads", nonfinite_grads,
+              "must be one of off, skip, stop")
+        self.nonfinite_grads = nonfinite_grads
         super().__init__(
             process_group_backend=None if backend == "auto" else backend,
             timeout=timedelta(seconds=self.timeout_seconds),
@@ -84,6 +94,7 @@ class GradsyncStrategy(DDPStrategy):
         self.ledger = CommLedger()
         self.accumulation_steps = 1
         self._weight_sum, self._weighted = 0.0, False
+        self.skipped_steps: list[int] = []  # optimizer steps skipped for non-finite gradients
         self._restored_algorithm_state: Optional[dict] = None
 
     # ---- configuration ---------------------------------------------------------------------
@@ -163,6 +174,10 @@ class GradsyncStrategy(DDPStrategy):
             self._weighted = True
         return out
 
+    #: True when every rank holds the same gradients after backward (DDP-style all-reduce), so a
+    #: rank's own finiteness check is already the global answer; False for local-step strategies.
+    gradients_synchronized: ClassVar[bool] = True
+
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         def normalized_closure() -> Any:
             result = closure()
@@ -170,9 +185,34 @@ class GradsyncStrategy(DDPStrategy):
                 self._normalize_weighted_gradients(optimizer)
             return result
 
-        out = super().optimizer_step(optimizer, normalized_closure, model, **kwargs)
-        self._weight_sum, self._weighted = 0.0, False
-        return out
+        try:
+            if self.nonfinite_grads == "off":
+                return super().optimizer_step(optimizer, normalized_closure, model, **kwargs)
+            # Run forward/backward first, decide for all ranks together, then step or skip.
+            result = normalized_closure()
+            if self._all_gradients_finite(optimizer):
+                return super().optimizer_step(optimizer, lambda: result, model, **kwargs)
+            step = self.lightning_module.trainer.global_step if self.lightning_module is not None else -1
+            if self.nonfinite_grads == "stop":
+                raise GradsyncError(
+                    f"non-finite gradient (NaN/Inf) at optimizer step {step} on at least one rank; stopping "
+                    f"(--strategy.nonfinite_grads skip would skip such steps on every rank)")
+            self.skipped_steps.append(step)
+            if self.global_rank == 0:
+                log.warning(f"gradsync: skipped optimizer step {step} on every rank: non-finite gradient")
+            optimizer.zero_grad()
+            return result
+        finally:
+            self._weight_sum, self._weighted = 0.0, False
+
+    def _all_gradients_finite(self, optimizer: Any) -> bool:
+        finite = all(bool(torch.isfinite(p.grad).all()) for g in optimizer.param_groups for p in g["params"]
+                     if p.grad is not None)
+        if self.gradients_synchronized or not (dist.is_available() and dist.is_initialized()) or self.world_size == 1:
+            return finite
+        flag = torch.tensor([0.0 if finite else 1.0], device=self.root_device)
+        self.ledger.all_reduce(flag)  # 4 bytes: the ranks agree before anyone steps
+        return float(flag.item()) == 0.0
 
     def _normalize_weighted_gradients(self, optimizer: Any) -> None:
         # After backward, DDP holds mean_r( sum_mb w*grad(mean_mb) / K ). Multiply by K*N / W.

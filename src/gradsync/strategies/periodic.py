@@ -125,6 +125,9 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
     always plainly averaged.
     """
 
+    #: Local steps: ranks' gradients differ, so the non-finite check must ask every rank.
+    gradients_synchronized = False
+
     #: Keys of :meth:`algorithm_state_dict` that are identical on every rank (kept on a reshard).
     replicated_state: tuple[str, ...] = ("num_steps",)
 
