@@ -5,6 +5,8 @@
     gradsync fit --config run.yaml --strategy.bucket_cap_mb 50
     gradsync fit ... --print_config > run.yaml
     gradsync list
+    gradsync fit ... --logger wandb --wandb.project my-proj --wandb.mode offline
+    gradsync compare runs/a runs/b --output-dir runs/compare
 
 Flags follow the Lightning ecosystem (jsonargparse, as in LightningCLI): the options of the model,
 the data and the strategy are read from their constructors' signatures and spelled
@@ -24,6 +26,8 @@ from typing import Any, Literal, Optional, Sequence
 
 USAGE = """usage: gradsync {fit,validate,test} [--recipe NAME | --model CLASS --data CLASS] [--strategy NAME] [flags]
        gradsync list
+       gradsync compare RUN_DIR... [--output-dir DIR]   (side-by-side table and plots of finished runs)
+       gradsync sample --checkpoint RUN_DIR|FILE [--prompt TEXT] [--num-chars N]   (text from a chargpt checkpoint)
        gradsync {fit,validate,test} --help     (flags of the chosen recipe and strategy)"""
 
 COMMANDS = ("fit", "validate", "test")
@@ -166,6 +170,9 @@ def build_parser(command: str, sel: dict[str, Any]):
                    help="static: --master-addr/--node-rank; c10d: elastic rendezvous at --master-addr:--master-port")
     p.add_argument("--rdzv_id", "--rdzv-id", type=Optional[str], default=None,
                    help="c10d rendezvous id, the same on every node (flag > $SLURM_JOB_ID > 'gradsync')")
+    p.add_argument("--timeout", type=Optional[float], default=None,
+                   help="seconds a rank waits for a peer (rendezvous and every collective) before the run fails "
+                        "on every rank (flag > --strategy.timeout_seconds > 1800)")
     p.add_argument("--print_launch", "--print-launch", action="store_true",
                    help="print the per-node torchrun commands and an sbatch script, then exit")
     p.add_argument("--max_steps", "--max-steps", type=int, default=-1, help="stop after this many optimizer steps")
@@ -180,6 +187,9 @@ def build_parser(command: str, sel: dict[str, Any]):
                         "processes) is derived (default: batch size x processes, K = 1)")
     p.add_argument("--checkpoint_every", "--checkpoint-every", type=int, default=0,
                    help="also save last.ckpt every N optimizer steps (0: at epoch ends and at the end)")
+    from gradsync.platform.tracking import add_tracking_arguments
+
+    add_tracking_arguments(p)  # --logger, --wandb.*
     p.add_class_arguments(model_cls, "model", fail_untyped=False)
     p.add_class_arguments(data_cls, "data", fail_untyped=False)
     strat_cls = STRATEGIES.get(sel["strategy"])
@@ -236,6 +246,11 @@ def parse_run(command: str, argv: Sequence[str]):
     _check_run_flags(d)
     strategy = dict(d.get("strategy") or {})
     name = strategy.pop("name")
+    if d["timeout"] is not None:
+        if d["timeout"] <= 0:
+            raise UsageError(f"--timeout {d['timeout']}: must be > 0 seconds")
+        if "timeout_seconds" in strategy:
+            strategy["timeout_seconds"] = d["timeout"]
     spec = RunSpec(
         command=command, recipe=d["recipe"] if not (d["model_class"] or d["data_class"]) else "custom",
         model_class=model_cls, model_options=d.get("model") or {},
@@ -251,8 +266,11 @@ def parse_run(command: str, argv: Sequence[str]):
     spec.launch = LaunchConfig(
         nproc_per_node=d["devices"], nnodes=d["num_nodes"], node_rank=d["node_rank"], master_addr=d["master_addr"],
         master_port=d["master_port"], max_restarts=d["max_restarts"], rdzv_backend=d["rdzv_backend"],
-        rdzv_id=d["rdzv_id"])
+        rdzv_id=d["rdzv_id"], timeout=d["timeout"])
     spec.print_launch = bool(d["print_launch"])
+    from gradsync.platform.tracking import TrackingConfig
+
+    spec.tracking = TrackingConfig.from_flags(d.get("logger"), d.get("wandb"))
     if spec.command == "fit" and spec.max_steps == -1 and spec.max_epochs is None:
         spec.max_epochs = 10
     return spec
@@ -312,16 +330,12 @@ def validate_spec(spec) -> None:
 
 # ---- commands -------------------------------------------------------------------------------
 def cmd_list() -> int:
+    from gradsync.platform.report import print_list
     from gradsync.recipes import RECIPES
     from gradsync.strategies import STRATEGIES
 
-    print("Recipes (--recipe NAME):")
-    for name, entry in RECIPES.items():
-        print(f"  {name:<14} {entry.description}")
-    print("Strategies (--strategy NAME; options as --strategy.<option>):")
-    for name, cls in STRATEGIES.items():
-        print(f"  {name:<14} {cls.describe()}")
-    print("Any stock Lightning strategy name (e.g. ddp) works too.")
+    print_list({name: entry.description for name, entry in RECIPES.items()},
+               {name: cls.describe() for name, cls in STRATEGIES.items()})
     return 0
 
 
@@ -340,7 +354,11 @@ def cmd_run(command: str, argv: list[str]) -> int:
         validate_spec(spec)
         if spec.devices > 1 or spec.num_nodes > 1 or spec.launch.max_restarts > 0:
             cfg = spec.launch.resolved()
-            return launch.run_torchrun(launch.torchrun_command([command, *argv], cfg))
+            rc = launch.run_torchrun(launch.torchrun_command([command, *argv], cfg))
+            if rc not in (0, 2):
+                print(f"gradsync: error: the launched processes failed (torchrun exit status {rc}); the first "
+                      f"worker error is above", file=sys.stderr)
+            return rc
     from gradsync.platform.run import execute
 
     execute(spec)
@@ -359,9 +377,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         command, rest = argv[0], argv[1:]
         if command == "list":
             return cmd_list()
+        if command == "compare":
+            from gradsync.platform.compare import cmd_compare
+
+            return cmd_compare(rest)
+        if command == "sample":
+            from gradsync.cli.sample import cmd_sample
+
+            return cmd_sample(rest)
         if command in COMMANDS:
             return cmd_run(command, rest)
-        raise UsageError(f"unknown command {command!r}; choose one of fit, validate, test, list")
+        raise UsageError(f"unknown command {command!r}; choose one of fit, validate, test, list, compare, sample")
     except (UsageError, GradsyncError) as exc:
         print(f"gradsync: error: {exc}", file=sys.stderr)
         return 2

@@ -104,6 +104,7 @@ class LaunchConfig:
     max_restarts: int = 0
     rdzv_backend: str = "static"
     rdzv_id: Optional[str] = None
+    timeout: Optional[float] = None  #: seconds a node waits for its peers at rendezvous
 
     def resolved(self, env: Mapping[str, str] = os.environ) -> "LaunchConfig":
         addr = self.master_addr or env.get("MASTER_ADDR") or "127.0.0.1"
@@ -114,7 +115,7 @@ class LaunchConfig:
         node_rank = self.node_rank if self.node_rank is not None else int(env.get("NODE_RANK", 0))
         rdzv_id = self.rdzv_id or env.get("SLURM_JOB_ID") or "gradsync"
         return LaunchConfig(self.nproc_per_node, self.nnodes, node_rank, addr, port, self.max_restarts,
-                            self.rdzv_backend, rdzv_id)
+                            self.rdzv_backend, rdzv_id, self.timeout)
 
 
 def torchrun_args(cfg: LaunchConfig, *, node_rank: Optional[int] = None) -> list[str]:
@@ -127,6 +128,10 @@ def torchrun_args(cfg: LaunchConfig, *, node_rank: Optional[int] = None) -> list
     else:
         args += ["--rdzv-backend", cfg.rdzv_backend, "--rdzv-endpoint", f"{cfg.master_addr}:{cfg.master_port}",
                  "--rdzv-id", str(cfg.rdzv_id)]
+    if cfg.timeout:
+        # a peer that never arrives fails the rendezvous after this long instead of waiting forever
+        key = "timeout" if cfg.rdzv_backend == "static" else "join_timeout"
+        args += ["--rdzv-conf", f"{key}={int(cfg.timeout)}"]
     return args
 
 

@@ -53,6 +53,7 @@ class RunSpec:
     global_batch_size: Optional[int] = None
     launch: Any = None  # gradsync.platform.launch.LaunchConfig, when started from the CLI
     print_launch: bool = False
+    tracking: Any = None  # gradsync.platform.tracking.TrackingConfig (--logger, --wandb.*); None: CSV only
 
     @property
     def world_size(self) -> int:
@@ -175,10 +176,16 @@ class CommMetrics(Callback):
 
 def build_trainer(spec: RunSpec, strategy: Union[Strategy, str], clock: _RunClock, *,
                   accumulation: int = 1, global_batch: Optional[int] = None) -> L.Trainer:
-    callbacks: list[Callback] = [clock, CommMetrics(), RunInfo({"global_batch_size": global_batch})]
-    logger: Any = False
+    from gradsync.platform.consistency import ConfigConsistency, config_fingerprint
+
+    callbacks: list[Callback] = [clock, CommMetrics(), RunInfo({"global_batch_size": global_batch}),
+                                 ConfigConsistency(config_fingerprint(spec))]
+    from gradsync.platform.progress import GradsyncProgressBar
+    from gradsync.platform.tracking import RunTelemetry, build_loggers
+
+    callbacks += [RunTelemetry(spec), GradsyncProgressBar()]
+    logger: Any = build_loggers(spec) or False  # CSV in DIR/logs, plus W&B or TensorBoard (--logger)
     if spec.output_dir is not None:
-        logger = CSVLogger(save_dir=str(spec.output_dir), name="logs", version="")
         if spec.command == "fit":
             callbacks.append(ModelCheckpoint(
                 dirpath=str(spec.output_dir / "checkpoints"), filename="last", save_top_k=1,
@@ -244,6 +251,9 @@ def execute(spec: RunSpec) -> dict:
 
     summary = build_summary(spec, trainer, model, data, clock, time.perf_counter() - t0, resumed_from)
     if trainer.is_global_zero:
+        from gradsync.platform.tracking import finish_tracking
+
+        summary = finish_tracking(trainer, summary)  # the W&B run summary; closes the W&B run
         if spec.output_dir is not None:
             write_json(spec.output_dir / "summary.json", summary)
         from gradsync.platform.report import print_summary
@@ -303,6 +313,9 @@ def build_summary(spec: RunSpec, trainer: L.Trainer, model: Any, data: Any, cloc
     if dist.is_available() and dist.is_initialized():
         backend = dist.get_backend()
     agree = ranks_agree(model)
+    nccl = None
+    if backend == "nccl":
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
     return {
         "recipe": spec.recipe,
         "model": f"{spec.model_class.__module__}.{spec.model_class.__qualname__}",
@@ -314,6 +327,7 @@ def build_summary(spec: RunSpec, trainer: L.Trainer, model: Any, data: Any, cloc
         "world_size": world,
         "num_nodes": trainer.num_nodes,
         "backend": backend,
+        "nccl_version": nccl,
         "accelerator": type(trainer.accelerator).__name__.replace("Accelerator", "").lower(),
         "seed": spec.seed,
         "global_step": trainer.global_step,
@@ -328,6 +342,7 @@ def build_summary(spec: RunSpec, trainer: L.Trainer, model: Any, data: Any, cloc
         "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
         "resumed_from_step": resumed_from,
         "ranks_agree": agree,
+        "nonfinite_skipped_steps": list(getattr(strategy, "skipped_steps", [])),
         "checkpoint": str(spec.checkpoint_path) if spec.checkpoint_path and spec.checkpoint_path.exists() else None,
         "versions": {"torch": torch.__version__, "lightning": L.__version__},
     }
