@@ -8,7 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gradsync.recipes.base import Recipe, RecipeData
+from gradsync.recipes.chargpt import CharData, CharGPT
+from gradsync.recipes.cifar10 import Cifar10Data, Cifar10ResNet
 from gradsync.recipes.digits import DigitsClassifier, DigitsData
+from gradsync.recipes.synthetic import SyntheticData, SyntheticModel
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,10 @@ class RecipeEntry:
 #: Every recipe, by the name ``--recipe`` takes.
 RECIPES: dict[str, RecipeEntry] = {
     "digits": RecipeEntry(DigitsClassifier, DigitsData),
+    "chargpt": RecipeEntry(CharGPT, CharData),
+    "synthetic": RecipeEntry(SyntheticModel, SyntheticData),
+    "cifar10": RecipeEntry(Cifar10ResNet, Cifar10Data),
 }
 
-__all__ = ["RECIPES", "Recipe", "RecipeData", "RecipeEntry", "DigitsClassifier", "DigitsData"]
+__all__ = ["RECIPES", "Recipe", "RecipeData", "RecipeEntry", "DigitsClassifier", "DigitsData", "CharGPT", "CharData",
+           "SyntheticModel", "SyntheticData", "Cifar10ResNet", "Cifar10Data"]
