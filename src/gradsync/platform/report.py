@@ -37,22 +37,79 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
     ]
     rows += [(k, _fmt(v)) for k, v in (summary.get("metrics") or {}).items()]
     rows += [
-        ("wire bytes (per rank)", _fmt_bytes(comm.get("wire_bytes"))),
-        ("fp32 sync would send", _fmt_bytes(comm.get("logical_bytes"))),
+        ("wire bytes (per rank)", _fmt_exact_bytes(comm.get("wire_bytes"))),
+        ("fp32 sync would send", _fmt_exact_bytes(comm.get("logical_bytes"))),
         ("compression ratio", _fmt(comm.get("compression_ratio"))),
         ("collectives", _fmt(comm.get("collectives"))),
+        ("communication time", _comm_time(comm.get("seconds"), summary.get("train_seconds"))),
         ("wall time", f"{_fmt(summary.get('wall_seconds'))} s"),
         ("samples/s", _fmt(summary.get("samples_per_second"))),
     ]
+    if summary.get("tokens_per_second") is not None:
+        rows.append(("tokens/s", _fmt(summary["tokens_per_second"])))
     if summary.get("resumed_from_step") is not None:
         rows.append(("resumed from step", _fmt(summary["resumed_from_step"])))
     if summary.get("checkpoint"):
         rows.append(("checkpoint", summary["checkpoint"]))
+    tracking = summary.get("tracking") or {}
+    if tracking.get("wandb_run_id"):
+        mode = f", {tracking['wandb_mode']}" if tracking.get("wandb_mode") else ""
+        rows.append(("W&B run", f"{tracking['wandb_run_id']}{mode}"))
     return rows
 
 
-def print_summary(summary: dict) -> None:
+def _fmt_exact_bytes(n: Any) -> str:
+    """``1.2 MB (1,234,567 B)``: readable, and exact for comparing runs."""
+    if n is None:
+        return "n/a"
+    if abs(float(n)) < 1000:
+        return _fmt_bytes(n)
+    return f"{_fmt_bytes(n)} ({int(n):,} B)"
+
+
+def _comm_time(seconds: Any, train_seconds: Any) -> str:
+    if seconds is None:
+        return "n/a"
+    text = f"{float(seconds):.3g} s"
+    if train_seconds:
+        text += f" ({100 * float(seconds) / float(train_seconds):.1f}% of training time, in flight)"
+    return text
+
+
+def console() -> Any:
+    """A rich Console; off a terminal it writes plain text (no colour codes), 120 columns wide."""
+    import os
+
     from rich.console import Console
+
+    c = Console()
+    if not c.is_terminal and "COLUMNS" not in os.environ:
+        c = Console(width=120)
+    return c
+
+
+def print_list(recipes: dict, strategies: dict) -> None:
+    """``gradsync list``: recipes and strategies as tables."""
+    from rich.table import Table
+
+    out = console()
+    table = Table(title="Recipes (--recipe NAME)", title_justify="left")
+    table.add_column("name", style="bold")
+    table.add_column("description")
+    for name, text in recipes.items():
+        table.add_row(name, text)
+    out.print(table)
+    table = Table(title="Strategies (--strategy NAME; options as --strategy.<option>)", title_justify="left")
+    table.add_column("name", style="bold")
+    table.add_column("description")
+    for name, text in strategies.items():
+        table.add_row(name, text)
+    out.print(table)
+    out.print("Any stock Lightning strategy name (e.g. ddp) works too; `gradsync fit --strategy NAME --help` "
+              "lists a strategy's options.", highlight=False)
+
+
+def print_summary(summary: dict) -> None:
     from rich.table import Table
 
     table = Table(title=f"gradsync {summary.get('command', 'fit')} summary", show_header=False)
@@ -60,4 +117,4 @@ def print_summary(summary: dict) -> None:
     table.add_column("")
     for k, v in summary_rows(summary):
         table.add_row(k, v)
-    Console().print(table)
+    console().print(table)
