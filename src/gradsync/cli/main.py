@@ -26,6 +26,7 @@ from typing import Any, Literal, Optional, Sequence
 
 USAGE = """usage: gradsync {fit,validate,test} [--recipe NAME | --model CLASS --data CLASS] [--strategy NAME] [flags]
        gradsync list
+       gradsync doctor [--devices N]          (versions, devices, environment, an all-reduce check)
        gradsync compare RUN_DIR... [--output-dir DIR]   (side-by-side table and plots of finished runs)
        gradsync sample --checkpoint RUN_DIR|FILE [--prompt TEXT] [--num-chars N]   (text from a chargpt checkpoint)
        gradsync {fit,validate,test} --help     (flags of the chosen recipe and strategy)"""
@@ -377,6 +378,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         command, rest = argv[0], argv[1:]
         if command == "list":
             return cmd_list()
+        if command == "doctor":
+            from gradsync.cli.doctor import main as doctor
+
+            return doctor(rest)
         if command == "compare":
             from gradsync.platform.compare import cmd_compare
 
