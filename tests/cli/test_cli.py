@@ -106,25 +106,37 @@ def test_user_model_by_import_path_and_output_dir_protection(tmp_path, capsys, m
     pkg = tmp_path / "userpkg"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
+    # the user writes the network, the loss (with its weight) and the data; the base does the rest
     (pkg / "models.py").write_text(
         "import torch\n"
-        "from gradsync.recipes import Recipe\n\n"
+        "from torch.utils.data import TensorDataset\n"
+        "from gradsync.recipes import Recipe, RecipeData\n\n"
         "class Tiny(Recipe):\n"
         "    def __init__(self, *, hidden: int = 8, **kwargs):\n"
         "        super().__init__(**kwargs)\n"
-        "        self.net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, hidden),\n"
-        "                                       torch.nn.ReLU(), torch.nn.Linear(hidden, 10))\n\n"
+        "        self.save_hyperparameters()\n"
+        "        self.net = torch.nn.Sequential(torch.nn.Linear(6, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 3))\n\n"
         "    def compute_loss(self, batch):\n"
         "        x, y = batch\n"
-        "        return torch.nn.functional.cross_entropy(self.net(x), y)\n")
+        "        return torch.nn.functional.cross_entropy(self.net(x), y), len(y)\n\n"
+        "class Blobs(RecipeData):\n"
+        "    def setup(self, stage):\n"
+        "        g = torch.Generator().manual_seed(0)\n"
+        "        x = torch.randn(96, 6, generator=g)\n"
+        "        y = x[:, :3].argmax(1)\n"
+        "        self.train_set, self.val_set = TensorDataset(x[:64], y[:64]), TensorDataset(x[64:], y[64:])\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     out = tmp_path / "run"
-    args = ["fit", "--model", "userpkg.models.Tiny", "--data", "gradsync.recipes.digits.DigitsData",
-            "--model.hidden", "12", "--accelerator", "cpu", "--max-steps", "3", "--output-dir", str(out)]
+    args = ["fit", "--model", "userpkg.models.Tiny", "--data", "userpkg.models.Blobs", "--batch-size", "8",
+            "--model.hidden", "12", "--model.scheduler", "cosine", "--model.warmup_steps", "2",
+            "--accelerator", "cpu", "--max-steps", "3", "--output-dir", str(out)]
     assert main(args) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["model"] == "userpkg.models.Tiny" and summary["model_options"]["hidden"] == 12
+    assert summary["data"] == "userpkg.models.Blobs" and summary["model_options"]["scheduler"] == "cosine"
     assert summary["global_step"] == 3
+    logged = (out / "logs" / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert {"train_loss", "lr", "train_samples_per_sec", "val_loss"} <= set(logged)
     before = (out / "checkpoints" / "last.ckpt").read_bytes()
     # a second run into the same directory must not touch its checkpoint unless resuming it
     capsys.readouterr()
