@@ -30,10 +30,10 @@ def step_stats(metrics: dict) -> str:
     loss = _num(metrics.get("train_loss"))
     if loss is not None:
         parts.append(f"train_loss {loss:.4f}")
-    sps = _num(metrics.get("perf/samples_per_second"))
+    sps = _num(metrics.get("train_samples_per_sec"))
     if sps is not None:
         parts.append(f"samples/s {sps:,.0f}")
-    tps = _num(metrics.get("perf/tokens_per_second"))
+    tps = _num(metrics.get("train_tokens_per_sec"))
     if tps is not None:
         parts.append(f"tokens/s {tps:,.0f}")
     share = _num(metrics.get("comm/time_share"))

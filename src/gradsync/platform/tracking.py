@@ -9,10 +9,10 @@ What is recorded, from rank 0 only:
 
 * the resolved run config (recipe, strategy and its options, world size, nodes, global batch,
   accumulation, precision, versions) as the logger's hyperparameters;
-* every metric the recipe logs, and per optimizer step the ``comm/*`` ledger (wire and logical
-  bytes, compression ratio, seconds, collectives), ``comm/time_share`` (see :class:`RunTelemetry`)
-  and throughput (``perf/samples_per_second``; ``perf/tokens_per_second`` for recipes whose loss
-  weights count tokens);
+* every metric the recipe logs (with its throughput, ``train_samples_per_sec`` and, for recipes
+  that count tokens, ``train_tokens_per_sec``), and per optimizer step the ``comm/*`` ledger (wire
+  and logical bytes, compression ratio, seconds, collectives) with ``comm/time_share``, the share of
+  the step's wall time spent communicating (see :class:`RunTelemetry`);
 * the final run summary (``summary.json``) as the W&B run summary.
 
 The W&B run id is stored in ``DIR/wandb_run_id``: a resumed run or a torchrun restart continues the
@@ -291,13 +291,13 @@ def _scalar(v: Any) -> Optional[float]:
 
 
 class RunTelemetry(Callback):
-    """Logs the run config once, and per optimizer step throughput and communication share.
+    """Logs the run config once, and per optimizer step its timing and communication share.
 
-    * ``perf/samples_per_second``: global samples (global batch x steps) over the wall time of
-      those steps (validation excluded). ``perf/tokens_per_second`` when the model declares
-      ``weight_unit = "tokens"``: the loss weights :meth:`~gradsync.recipes.Recipe.compute_loss`
-      returns, counted on rank 0 and scaled by the world size (exact when every rank's batches
-      hold the same number of tokens, an estimate otherwise).
+    (Samples/s and tokens/s are the recipe's to count: ``train_samples_per_sec``,
+    ``train_tokens_per_sec``, see :class:`~gradsync.recipes.Recipe`.)
+
+    * ``perf/step_seconds``: wall time of the optimizer step (all its micro-batches; validation
+      excluded).
     * ``comm/time_share``: the ledger's communication seconds over the step's wall time. For
       collectives that overlap the backward pass (DDP buckets, overlapped averaging rounds), the
       ledger counts time in flight, so this is an upper bound on the share the step spent waiting.
@@ -312,8 +312,6 @@ class RunTelemetry(Callback):
         self._t: Optional[float] = None
         self._step = 0
         self._comm = 0.0
-        self._tokens = 0.0
-        self.tokens_total = 0.0
         self.latest: dict[str, float] = {}
         self._config_logged = False
 
@@ -322,11 +320,10 @@ class RunTelemetry(Callback):
         return "gradsync.RunTelemetry"
 
     def state_dict(self) -> dict:
-        return {"wall_seconds": self.wall_seconds(), "tokens_total": self.tokens_total}
+        return {"wall_seconds": self.wall_seconds()}
 
     def load_state_dict(self, state: dict) -> None:
         self.wall_offset = float(state.get("wall_seconds", 0.0))
-        self.tokens_total = float(state.get("tokens_total", 0.0))
 
     def wall_seconds(self) -> float:
         return self.wall_offset + (time.perf_counter() - self._fit_start if self._fit_start is not None else 0.0)
@@ -358,32 +355,21 @@ class RunTelemetry(Callback):
         self._t = time.perf_counter()
         self._step = trainer.global_step
         self._comm = float(ledger.seconds) if ledger is not None else 0.0
-        self._tokens = 0.0
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if trainer.state.fn == "fit" and self._t is not None:
             self._mark(trainer)  # throughput counts training steps only
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if getattr(pl_module, "weight_unit", None) == "tokens" and isinstance(outputs, dict):
-            self._tokens += _scalar(outputs.get("weight")) or 0.0
         if self._t is None or trainer.global_step == self._step:
             return  # still accumulating micro-batches of this optimizer step
         now = time.perf_counter()
         dt = max(now - self._t, 1e-9)
         steps = trainer.global_step - self._step
-        datamodule = getattr(trainer, "datamodule", None)
-        micro = int(getattr(datamodule, "batch_size", 0) or 0)
-        samples = steps * micro * int(trainer.accumulate_grad_batches) * trainer.world_size
         ledger = _ledger(trainer)
-        metrics = {"perf/samples_per_second": samples / dt, "perf/step_seconds": dt / steps,
-                   "time/wall_seconds": self.wall_seconds()}
+        metrics = {"perf/step_seconds": dt / steps, "time/wall_seconds": self.wall_seconds()}
         if ledger is not None:
             metrics["comm/time_share"] = (float(ledger.seconds) - self._comm) / dt
-        if self._tokens:
-            tokens = self._tokens * trainer.world_size
-            self.tokens_total += tokens
-            metrics["perf/tokens_per_second"] = tokens / dt
         self.latest = metrics
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
         self._mark(trainer)
@@ -396,9 +382,9 @@ def finish_tracking(trainer: Any, summary: dict) -> dict:
     from lightning.pytorch.loggers import WandbLogger
 
     extra: dict[str, Any] = {}
-    telemetry = next((c for c in trainer.callbacks if isinstance(c, RunTelemetry)), None)
-    if telemetry is not None and telemetry.tokens_total and summary.get("train_seconds"):
-        extra["tokens_per_second"] = round(telemetry.tokens_total / summary["train_seconds"], 2)
+    tokens = _scalar(trainer.callback_metrics.get("train_tokens_per_sec"))
+    if tokens is not None and "tokens_per_second" not in summary:
+        extra["tokens_per_second"] = round(tokens, 2)  # the recipe's count, averaged over the run
     names = {"ResumableCSVLogger": "csv", "CSVLogger": "csv", "WandbLogger": "wandb", "TensorBoardLogger": "tensorboard"}
     tracking: dict[str, Any] = {"loggers": [names.get(type(lg).__name__, type(lg).__name__) for lg in trainer.loggers]}
     for lg in trainer.loggers:
