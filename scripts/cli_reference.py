@@ -106,9 +106,16 @@ def _parser(command: str, recipe: str, strategy: str) -> Any:
 def _help_of(run: Callable[[], Any]) -> str:
     """What a command prints for ``--help`` (argparse exits after printing)."""
     buf = io.StringIO()
-    os.environ.setdefault("COLUMNS", "100")  # argparse wraps to the terminal; keep the page stable
-    with contextlib.redirect_stdout(buf), contextlib.suppress(SystemExit):
-        run()
+    columns = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "100"  # argparse wraps to the terminal's width; the page should not depend on it
+    try:
+        with contextlib.redirect_stdout(buf), contextlib.suppress(SystemExit):
+            run()
+    finally:
+        if columns is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = columns
     return buf.getvalue().rstrip()
 
 
