@@ -1,9 +1,9 @@
 """``chargpt``: a GPT-style decoder-only transformer that predicts text one character at a time.
 
 The default corpus is the Python standard library's own source: the top-level ``*.py`` modules of
-``sysconfig.get_paths()["stdlib"]`` that are plain ASCII, in sorted order (~4.5 MB on CPython 3.11;
-present wherever Python is, nothing to download). ``--data.path FILE`` trains on any UTF-8 text
-file instead. The last ``val_fraction`` of the text is held out for validation.
+``sysconfig.get_paths()["stdlib"]`` that are plain ASCII, in sorted order (4.4 million characters
+on CPython 3.11; present wherever Python is, nothing to download). ``--data.path FILE`` trains on
+any UTF-8 text file instead. The last ``val_fraction`` of the text is held out for validation.
 
 The vocabulary is the sorted set of characters in the corpus; the data builds it and the model
 reads it at set-up, and the context length is the model's ``block_size`` (the data reads it), so

@@ -70,7 +70,8 @@ def read_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     except Exception as exc:  # unpickling raises many types for a foreign or truncated file
         raise GradsyncError(f"{path}: not a CIFAR-10 python batch ({type(exc).__name__}: {exc})") from None
     if data.ndim != 2 or data.shape[1] != 3072 or len(labels) != len(data):
-        raise GradsyncError(f"{path}: expected data of shape (N, 3072) and N labels, got {data.shape} and {len(labels)}")
+        raise GradsyncError(f"{path}: expected data of shape (N, 3072) and N labels, "
+                            f"got {data.shape} and {len(labels)}")
     return data.reshape(-1, 3, 32, 32), labels
 
 
