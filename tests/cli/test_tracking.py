@@ -149,9 +149,10 @@ def test_compare_two_runs_writes_table_and_plots(wandb_run, tmp_path, capsys):
     header = next(line for line in text.splitlines() if "sync" in line and "local_sgd" in line)
     assert header.index("sync") < header.index("local_sgd")
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
-            for line in (plots / "comparison.md").read_text().splitlines()[2:]}
+            for line in (plots / "comparison.md").read_text().splitlines()[2:] if line.startswith("|")}
     assert rows["strategy"] == ["sync", "local_sgd"] and rows["optimizer steps"] == ["8", "12"]
     assert rows["processes x nodes"] == ["1 x 1", "2 x 1"] and "period=4" in rows["options"][1]
+    assert "Options of every run: " in (plots / "comparison.md").read_text()  # the shared DDP options, once
     for name in ("loss_vs_step.png", "loss_vs_wire_bytes.png", "val_vs_wall_time.png"):
         data = (plots / name).read_bytes()
         assert data[:8] == PNG_MAGIC and len(data) > 10_000, name

@@ -135,10 +135,7 @@ def comparison_rows(runs: list[RunRecord]) -> list[tuple[str, list[str]]]:
                 out.append("n/a")
         return out
 
-    # Options every run shares go in one row; each run's own row shows only what sets it apart.
-    pairs = [{(k, json.dumps(v, sort_keys=True, default=str)) for k, v in (r.summary.get("strategy_options") or {}).items()}
-             for r in runs]
-    shared = set.intersection(*pairs) if len(runs) > 1 else set()
+    shared = shared_options(runs)  # listed once under the table; each column shows what sets its run apart
 
     def opts(s: dict) -> str:
         o = s.get("strategy_options") or {}
@@ -156,8 +153,6 @@ def comparison_rows(runs: list[RunRecord]) -> list[tuple[str, list[str]]]:
     rows = [
         ("strategy", col(lambda s: s["strategy"])),
         ("options", col(opts)),
-        *([("options (all runs)", [", ".join(f"{k}={json.loads(v)}" for k, v in sorted(shared))] * len(runs))]
-          if shared else []),
         ("recipe", col(lambda s: s["recipe"])),
         ("processes x nodes", col(lambda s: f"{s['world_size']} x {s['num_nodes']}")),
         ("global batch", col(lambda s: f"{s['global_batch_size']} (K={s.get('accumulation_steps', 1)})")),
@@ -179,12 +174,25 @@ def comparison_rows(runs: list[RunRecord]) -> list[tuple[str, list[str]]]:
     return rows
 
 
+def shared_options(runs: list[RunRecord]) -> set:
+    """(option, JSON value) pairs every run has in common (none for a single run)."""
+    pairs = [{(k, json.dumps(v, sort_keys=True, default=str)) for k, v in (r.summary.get("strategy_options") or {}).items()}
+             for r in runs]
+    return set.intersection(*pairs) if len(runs) > 1 else set()
+
+
+def shared_options_line(runs: list[RunRecord]) -> str:
+    shared = shared_options(runs)
+    return ("Options of every run: " + ", ".join(f"{k}={json.loads(v)}" for k, v in sorted(shared))) if shared else ""
+
+
 def markdown_table(runs: list[RunRecord]) -> str:
     head = "| | " + " | ".join(r.label for r in runs) + " |"
     sep = "|---|" + "---|" * len(runs)
     body = ["| " + name + " | " + " | ".join(c.replace("|", "/") for c in cells) + " |"
             for name, cells in comparison_rows(runs)]
-    return "\n".join([head, sep, *body]) + "\n"
+    shared = shared_options_line(runs)
+    return "\n".join([head, sep, *body]) + "\n" + (f"\n{shared}\n" if shared else "")
 
 
 def print_table(runs: list[RunRecord]) -> None:
@@ -198,7 +206,10 @@ def print_table(runs: list[RunRecord]) -> None:
         table.add_column(r.label, overflow="fold")
     for name, cells in comparison_rows(runs):
         table.add_row(name, *cells)
-    console().print(table)
+    out = console()
+    out.print(table)
+    if shared_options_line(runs):
+        out.print(shared_options_line(runs), highlight=False)
 
 
 # ---- the plots -------------------------------------------------------------------------------
@@ -211,6 +222,7 @@ def write_plots(runs: list[RunRecord], out_dir: Path) -> list[Path]:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
+    styles = {r.label: ("-", "--", "-.", ":")[i % 4] for i, r in enumerate(runs)}  # overlapping lines stay visible
 
     def finish(fig, ax, name: str, title: str, xlabel: str, ylabel: str, *, log_x: bool = False) -> None:
         ax.set_title(title)
@@ -234,7 +246,7 @@ def write_plots(runs: list[RunRecord], out_dir: Path) -> list[Path]:
     for r in runs:
         xs, ys = r.series("train_loss")
         if xs:
-            ax.plot(xs, _smooth(ys), label=r.label)
+            ax.plot(xs, _smooth(ys), styles[r.label], label=r.label)
     finish(fig, ax, PLOTS[0], "training loss per optimizer step", "optimizer step", "train_loss (smoothed)")
 
     # loss vs bytes on the wire
@@ -242,7 +254,7 @@ def write_plots(runs: list[RunRecord], out_dir: Path) -> list[Path]:
     for r in runs:
         xs, ys = r.series("train_loss", x="comm/wire_bytes")
         if xs:
-            ax.plot([x / 1e6 for x in xs], _smooth(ys), label=r.label)
+            ax.plot([x / 1e6 for x in xs], _smooth(ys), styles[r.label], label=r.label)
     finish(fig, ax, PLOTS[1], "training loss against communication", "MB sent per rank (cumulative)",
            "train_loss (smoothed)")
 
@@ -257,7 +269,8 @@ def write_plots(runs: list[RunRecord], out_dir: Path) -> list[Path]:
         walls = r.at_step("time/wall_seconds", steps)
         pts = [(w, v) for w, v in zip(walls, vals) if w is not None]
         if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{r.label} ({r.val_metric})")
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], styles[r.label], marker="o",
+                    label=f"{r.label} ({r.val_metric})")
     finish(fig, ax, PLOTS[2], "validation against training wall time", "training wall time (s)", ylabel)
     return written
 

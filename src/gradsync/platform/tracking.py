@@ -227,7 +227,20 @@ def build_wandb_logger(spec: Any, opts: WandbOptions, out_dir: Optional[Path], e
         save_dir=save_dir, id=wandb_run_id(out_dir, env), log_model=False, **kwargs)
     # Lightning passes anonymous=None, which W&B >= 0.19 answers with a deprecation warning per run.
     logger._wandb_init.pop("anonymous", None)
+    if _is_rank_zero(env):
+        start_wandb_run(logger)
     return logger
+
+
+def start_wandb_run(logger: Any) -> None:
+    """Start the W&B run now, before any process group or training exists, so that a W&B that
+    cannot start (no route to the server, a rejected key) fails the run at once with the fix."""
+    try:
+        logger.experiment
+    except Exception as exc:  # wandb raises several types (CommError, UsageError, AuthenticationError ...)
+        raise GradsyncError(
+            f"W&B could not start its run ({redact(' '.join(str(exc).split()))[:300]}); check the network and the "
+            f"login, or pass --wandb.mode offline and upload later with `wandb sync DIR/wandb/offline-run-*`") from None
 
 
 def _ledger(trainer: Any) -> Any:
@@ -336,14 +349,7 @@ class RunTelemetry(Callback):
         config = resolved_config(self.spec, trainer)
         if trainer.is_global_zero:
             for lg in trainer.loggers:
-                try:
-                    lg.log_hyperparams(config)
-                except Exception as exc:  # W&B could not start: say what to do, not a traceback
-                    if type(lg).__name__ == "WandbLogger":
-                        raise GradsyncError(
-                            f"W&B could not start its run ({' '.join(str(exc).split())[:200]}); check the network "
-                            f"and login, or pass --wandb.mode offline and `wandb sync` later") from None
-                    raise
+                lg.log_hyperparams(config)
 
     # ---- timing ----
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
