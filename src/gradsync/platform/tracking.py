@@ -49,7 +49,8 @@ WandbMode = Literal["online", "offline", "disabled"]
 RUN_ID_FILE = "wandb_run_id"
 DEFAULT_PROJECT = "gradsync"
 REDACTED = "<redacted>"
-_SECRET_NAME = re.compile(r"(api_?key|_key$|^key$|token|secret|password|passwd|credential)", re.IGNORECASE)
+# WANDB_API_KEY, AWS_SECRET_ACCESS_KEY, HF_TOKEN, api_key, password ... (not "tokens_per_second")
+_SECRET_NAME = re.compile(r"(^|_)(api_?key|key|token|secret|password|passwd|credentials?)$|secret", re.IGNORECASE)
 
 
 # ---- configuration ---------------------------------------------------------------------------
@@ -140,7 +141,7 @@ def wandb_login_found(env=os.environ) -> bool:
 # ---- secrets ---------------------------------------------------------------------------------
 def secret_values(env=os.environ) -> set[str]:
     """Values of credential-looking environment variables (long enough to be worth hiding)."""
-    return {v for k, v in env.items() if _SECRET_NAME.search(k) and len(v) >= 6}
+    return {v for k, v in env.items() if _SECRET_NAME.search(k) and len(v) >= 12}  # short values: too common
 
 
 def redact(obj: Any, secrets_: Optional[set[str]] = None) -> Any:
@@ -402,7 +403,7 @@ def finish_tracking(trainer: Any, summary: dict) -> dict:
             tracking["wandb_dir"] = str(run_dir) if run_dir else None
             run.summary.update(redact({**summary, **extra, "tracking": tracking}))
             run.finish()
-    return {**summary, **extra, "tracking": tracking}
+    return redact({**summary, **extra, "tracking": tracking})
 
 
 # ---- CSV that survives resumes ---------------------------------------------------------------
