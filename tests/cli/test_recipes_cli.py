@@ -25,6 +25,11 @@ def test_chargpt_fit_then_sample_from_its_checkpoint(tmp_path, capsys):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["recipe"] == "chargpt" and summary["global_step"] == 3
     assert summary["metrics"]["val_ppl"] > 1 and summary["model_options"]["block_size"] == 16
+    # the network is built at set-up from the data's vocabulary: resuming must still restore it
+    assert main(["fit", "--recipe", "chargpt", *TINY_GPT, "--accelerator", "cpu", "--max-steps", "5",
+                 "--output-dir", str(out), "--resume", "auto"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["global_step"] == 5 and summary["resumed_from_step"] == 3
     capsys.readouterr()
     assert main(["sample", "--checkpoint", str(out), "--prompt", "import", "--num-chars", "40", "--seed", "1"]) == 0
     text = capsys.readouterr().out
