@@ -31,8 +31,9 @@ def test_every_codec_has_a_section_and_an_api_entry():
         assert _documented(hook) and _documented(state_cls), f"codec {name} is missing from docs/reference/api.md"
 
 
-def test_every_recipe_has_an_api_entry():
+def test_every_recipe_has_a_page_and_an_api_entry():
     for name, entry in RECIPES.items():
+        assert (DOCS / "recipes" / f"{name}.md").is_file(), f"no docs/recipes page for {name}"
         assert _documented(entry.model) and _documented(entry.data), f"recipe {name} is missing from the API reference"
 
 
