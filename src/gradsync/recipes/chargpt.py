@@ -159,9 +159,14 @@ class CharGPT(Recipe):
             block_size: context length in characters (the data cuts windows of this length), >= 1.
             dropout: dropout on attention, residual and embedding outputs, in [0, 1); 0 keeps
                 data-parallel runs exactly comparable with single-process ones.
-            optimizer, lr, betas, weight_decay, scheduler, warmup_steps, min_lr_ratio, **kwargs:
-                the :class:`~gradsync.recipes.base.Recipe` options, with defaults for small GPTs.
-                Weight decay applies to matrices and embeddings, not to biases and norms.
+            optimizer: ``adamw`` (default here) or ``sgd``.
+            lr: peak learning rate, > 0.
+            betas: AdamW's moment decay rates; 0.99 suits the few tokens per step of small runs.
+            weight_decay: decoupled weight decay of matrices and embeddings (not biases, norms), >= 0.
+            scheduler: ``cosine`` (default here) or ``constant``, after ``warmup_steps``.
+            warmup_steps: optimizer steps of linear warm-up, >= 0.
+            min_lr_ratio: the cosine's floor as a fraction of ``lr``, in [0, 1].
+            **kwargs: the other :class:`~gradsync.recipes.base.Recipe` options (``momentum``, ``decay_steps``).
         """
         super().__init__(optimizer=optimizer, lr=lr, betas=betas, weight_decay=weight_decay, scheduler=scheduler,
                          warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio, **kwargs)

@@ -191,9 +191,11 @@ class Cifar10ResNet(Recipe):
         """
         Args:
             width: channels of the first stage (the standard ResNet-18 has 64), >= 1.
-            lr, weight_decay, scheduler, warmup_steps, **kwargs: the :class:`~gradsync.recipes.base.Recipe`
-                options; the defaults are the usual CIFAR ones (SGD, momentum 0.9, lr 0.1, weight
-                decay 5e-4, cosine decay over the run).
+            lr: peak learning rate of SGD with momentum 0.9 (the usual CIFAR setting), > 0.
+            weight_decay: L2 penalty, >= 0.
+            scheduler: ``cosine`` (default here: decays over the whole run) or ``constant``.
+            warmup_steps: optimizer steps of linear warm-up, >= 0 (useful with large global batches).
+            **kwargs: the other :class:`~gradsync.recipes.base.Recipe` options.
         """
         super().__init__(lr=lr, weight_decay=weight_decay, scheduler=scheduler, warmup_steps=warmup_steps, **kwargs)
         check(width >= 1, "width", width, "must be >= 1")
