@@ -171,6 +171,8 @@ def build_parser(command: str, sel: dict[str, Any]):
                    help="static: --master-addr/--node-rank; c10d: elastic rendezvous at --master-addr:--master-port")
     p.add_argument("--rdzv_id", "--rdzv-id", type=Optional[str], default=None,
                    help="c10d rendezvous id, the same on every node (flag > $SLURM_JOB_ID > 'gradsync')")
+    p.add_argument("--val_every", "--val-every", type=int, default=0,
+                   help="validate every N optimizer steps (default 0: at the end of each epoch)")
     p.add_argument("--timeout", type=Optional[float], default=None,
                    help="seconds a rank waits for a peer (rendezvous and every collective) before the run fails "
                         "on every rank (flag > --strategy.timeout_seconds > 1800)")
@@ -260,7 +262,7 @@ def parse_run(command: str, argv: Sequence[str]):
         accelerator=d["accelerator"], devices=d["devices"], num_nodes=d["num_nodes"],
         max_steps=d["max_steps"], max_epochs=d["max_epochs"], seed=d["seed"],
         output_dir=Path(d["output_dir"]) if d["output_dir"] else None, resume=d["resume"],
-        checkpoint_every=d["checkpoint_every"], global_batch_size=d["global_batch_size"],
+        checkpoint_every=d["checkpoint_every"], global_batch_size=d["global_batch_size"], val_every=d["val_every"],
     )
     from gradsync.platform.launch import LaunchConfig
 
@@ -285,6 +287,7 @@ def _check_run_flags(d: dict) -> None:
         ("--max-epochs", d["max_epochs"], d["max_epochs"] is None or d["max_epochs"] >= 1, "must be >= 1"),
         ("--checkpoint-every", d["checkpoint_every"], d["checkpoint_every"] >= 0, "must be >= 0 steps"),
         ("--max-restarts", d["max_restarts"], d["max_restarts"] >= 0, "must be >= 0"),
+        ("--val-every", d["val_every"], d["val_every"] >= 0, "must be >= 0 optimizer steps"),
         ("--node-rank", d["node_rank"], d["node_rank"] is None or 0 <= d["node_rank"] < d["num_nodes"],
          f"must be in 0..{d['num_nodes'] - 1} (one less than --nnodes)"),
         ("--master-port", d["master_port"], d["master_port"] is None or 0 < d["master_port"] < 65536,

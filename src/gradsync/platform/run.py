@@ -51,6 +51,7 @@ class RunSpec:
     resume: Optional[str] = None
     checkpoint_every: int = 0
     global_batch_size: Optional[int] = None
+    val_every: int = 0  #: validate every N optimizer steps (0: at epoch ends)
     launch: Any = None  # gradsync.platform.launch.LaunchConfig, when started from the CLI
     print_launch: bool = False
     tracking: Any = None  # gradsync.platform.tracking.TrackingConfig (--logger, --wandb.*); None: CSV only
@@ -136,9 +137,24 @@ class _RunClock(Callback):
         self.start_step = 0
         self.last_val_step = -1
         self.train_metrics: dict = {}
+        self._step_marks: list[float] = []  # time at each optimizer-step boundary
 
     def on_fit_start(self, trainer, pl_module) -> None:
         self.fit_start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if len(self._step_marks) <= trainer.global_step - self.start_step:
+            self._step_marks.append(time.perf_counter())
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._step_marks.append(float("nan"))  # validation time is not a training step's
+
+    @property
+    def median_step_seconds(self) -> Optional[float]:
+        """Median optimizer-step time after the first two steps (warm-up), validation excluded."""
+        marks = self._step_marks
+        gaps = [b - a for a, b in zip(marks, marks[1:]) if a == a and b == b][2:]
+        return sorted(gaps)[len(gaps) // 2] if gaps else None
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.start_step = trainer.global_step
@@ -201,6 +217,8 @@ def build_trainer(spec: RunSpec, strategy: Union[Strategy, str], clock: _RunCloc
         max_steps=spec.max_steps,
         max_epochs=spec.max_epochs,
         accumulate_grad_batches=accumulation,
+        **({"val_check_interval": spec.val_every * accumulation, "check_val_every_n_epoch": None}
+           if spec.val_every else {}),
         logger=logger,
         callbacks=callbacks,
         plugins=plugins or None,
@@ -339,6 +357,9 @@ def build_summary(spec: RunSpec, trainer: L.Trainer, model: Any, data: Any, cloc
         "wall_seconds": round(wall_seconds, 3),
         "train_seconds": round(clock.fit_seconds, 3),
         "samples_per_second": round(steps * global_batch / clock.fit_seconds, 2) if clock.fit_seconds else None,
+        "median_step_seconds": clock.median_step_seconds,
+        "steady_samples_per_second": (round(global_batch / clock.median_step_seconds, 2)
+                                      if clock.median_step_seconds else None),
         "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
         "resumed_from_step": resumed_from,
         "ranks_agree": agree,
