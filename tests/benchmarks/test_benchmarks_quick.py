@@ -1,0 +1,66 @@
+"""Quick variants of every benchmark suite, so the suites keep working (figures are not asserted:
+timings on a shared 2-core machine are noise; structure and invariants are)."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root holds benchmarks/
+
+pytestmark = pytest.mark.timeout(300)
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _check(out: Path, suite: str) -> dict:
+    data = json.loads((out / f"{suite}.json").read_text())
+    assert (out / f"{suite}.md").read_text().startswith("## ")
+    assert data["command"].startswith("python -m benchmarks") and data["machine"] and data["rows"]
+    png = (out / f"{suite}.png").read_bytes()
+    assert png[:8] == PNG and len(png) > 5000
+    return data
+
+
+def test_codecs(tmp_path):
+    from benchmarks import codecs
+
+    codecs.run(tmp_path, quick=True)
+    data = _check(tmp_path, "codecs")
+    rows = {r[0]: r for r in data["rows"]}
+    assert set(rows) == {"memory copy", "fp16", "bf16", "int8", "sign", "topk", "powersgd"}
+    assert rows["memory copy"][2] == 1.0 and all(r[1] > 0 for r in rows.values())
+    assert rows["fp16"][3] == 2.0 and 3.9 < rows["int8"][3] < 4.0 and rows["sign"][3] > 25 and rows["topk"][3] > 40
+
+
+def test_allreduce(tmp_path):
+    from benchmarks import allreduce
+
+    allreduce.run(tmp_path, quick=True)
+    data = _check(tmp_path, "allreduce")
+    sizes = [r["bytes"] for r in data["data"]["results"]]
+    assert sizes[0] == 1024 and sizes[-1] == 4 * 2**20
+    assert all(r["raw"] > 0 and r["sync"] > 0 for r in data["data"]["results"])
+
+
+def test_overhead(tmp_path):
+    from benchmarks import overhead
+
+    overhead.run(tmp_path, quick=True)
+    data = _check(tmp_path, "overhead")
+    assert len(data["data"]["ratios"]) == 2 and all(r > 0 for r in data["data"]["ratios"])
+
+
+def test_slowlink(tmp_path):
+    from benchmarks import slowlink
+
+    rep = slowlink.run(tmp_path, quick=True)
+    if slowlink.available():
+        assert "not run" in rep.notes[0]
+        return
+    data = _check(tmp_path, "slowlink")
+    assert 50 < data["data"]["measured_mbit"] < 150   # the 100 Mbit/s shaping took effect
+    names = [r[0] for r in data["rows"]]
+    assert names == ["sync", "local_sgd period 8"]
+    wire = {r[0]: r[4] for r in data["rows"]}
+    assert wire["local_sgd period 8"] < wire["sync"] / 4   # bytes really dropped on the wire
