@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gradsync.recipes.base import Recipe, RecipeData
+from gradsync.recipes.base import ClassifierRecipe, Recipe, RecipeData
 from gradsync.recipes.chargpt import CharData, CharGPT
 from gradsync.recipes.cifar10 import Cifar10Data, Cifar10ResNet
 from gradsync.recipes.digits import DigitsClassifier, DigitsData
@@ -34,5 +34,5 @@ RECIPES: dict[str, RecipeEntry] = {
     "cifar10": RecipeEntry(Cifar10ResNet, Cifar10Data),
 }
 
-__all__ = ["RECIPES", "Recipe", "RecipeData", "RecipeEntry", "DigitsClassifier", "DigitsData", "CharGPT", "CharData",
+__all__ = ["RECIPES", "ClassifierRecipe", "Recipe", "RecipeData", "RecipeEntry", "DigitsClassifier", "DigitsData", "CharGPT", "CharData",
            "SyntheticModel", "SyntheticData", "Cifar10ResNet", "Cifar10Data"]

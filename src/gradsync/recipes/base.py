@@ -258,6 +258,40 @@ def _first_tensor(batch: Any) -> Optional[torch.Tensor]:
     return None
 
 
+class ClassifierRecipe(Recipe):
+    """A :class:`Recipe` for ``(inputs, labels)`` batches: cross-entropy loss, ``val_acc``/``test_acc``.
+
+    Subclasses build their network after ``super().__init__(**kwargs)`` and define ``forward``;
+    ``num_classes`` (a class attribute) sizes the accuracy metric.
+    """
+
+    metric_name = "val_acc"
+    num_classes: ClassVar[int] = 10
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        from torchmetrics.classification import MulticlassAccuracy
+
+        self.val_acc = MulticlassAccuracy(num_classes=self.num_classes, average="micro")
+
+    def compute_loss(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self(x), y)
+
+    def _evaluate(self, batch: Any, prefix: str) -> None:
+        x, y = batch
+        logits = self(x)
+        self.log(f"{prefix}_loss", torch.nn.functional.cross_entropy(logits, y), prog_bar=True, sync_dist=True)
+        self.val_acc.update(logits, y)
+        self.log(f"{prefix}_acc", self.val_acc, prog_bar=True)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self._evaluate(batch, "val")
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self._evaluate(batch, "test")
+
+
 def _mean_loss(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 

@@ -28,10 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
-from torchmetrics.classification import MulticlassAccuracy
 
 from gradsync.errors import GradsyncError, check
-from gradsync.recipes.base import Recipe, RecipeData, Scheduler
+from gradsync.recipes.base import ClassifierRecipe, RecipeData, Scheduler
 from gradsync.recipes.data import run_seed
 
 FOLDER = "cifar-10-batches-py"
@@ -181,10 +180,8 @@ class ResNet18(nn.Module):
         return self.head(F.adaptive_avg_pool2d(x, 1).flatten(1))
 
 
-class Cifar10ResNet(Recipe):
+class Cifar10ResNet(ClassifierRecipe):
     """ResNet-18 on CIFAR-10 from the python-pickle files (~94% test accuracy with a full schedule)."""
-
-    metric_name = "val_acc"
 
     def __init__(self, *, width: int = 64, lr: float = 0.1, weight_decay: float = 5e-4, scheduler: Scheduler = "cosine",
                  warmup_steps: int = 0, **kwargs: Any) -> None:
@@ -202,18 +199,6 @@ class Cifar10ResNet(Recipe):
         self.width = width
         self.save_hyperparameters()
         self.net = ResNet18(num_classes=10, width=width)
-        self.val_acc = MulticlassAccuracy(num_classes=10, average="micro")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
-
-    def compute_loss(self, batch: Any) -> torch.Tensor:
-        x, y = batch
-        return F.cross_entropy(self(x), y)
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        logits = self(x)
-        self.log("val_loss", F.cross_entropy(logits, y), prog_bar=True, sync_dist=True)
-        self.val_acc.update(logits, y)
-        self.log("val_acc", self.val_acc, prog_bar=True)

@@ -16,10 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
-from torchmetrics.classification import MulticlassAccuracy
 
 from gradsync.errors import check
-from gradsync.recipes.base import Recipe, RecipeData
+from gradsync.recipes.base import ClassifierRecipe, RecipeData
 
 NUM_FEATURES = 32
 NUM_CLASSES = 10
@@ -68,10 +67,10 @@ class SyntheticData(RecipeData):
         self.val_set = TensorDataset(x[n:], y[n:])
 
 
-class SyntheticModel(Recipe):
+class SyntheticModel(ClassifierRecipe):
     """An MLP of a chosen parameter count on generated data, for communication benchmarks."""
 
-    metric_name = "val_acc"
+    num_classes = NUM_CLASSES
 
     def __init__(self, *, num_params: int = 25_000_000, num_layers: int = 4, **kwargs: Any) -> None:
         """
@@ -95,7 +94,6 @@ class SyntheticModel(Recipe):
             layers += [nn.Linear(w, w), nn.ReLU()]
         layers.append(nn.Linear(w, NUM_CLASSES))
         self.net = nn.Sequential(*layers)
-        self.val_acc = MulticlassAccuracy(num_classes=NUM_CLASSES, average="micro")
 
     @property
     def actual_num_params(self) -> int:
@@ -103,14 +101,3 @@ class SyntheticModel(Recipe):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
-
-    def compute_loss(self, batch: Any) -> torch.Tensor:
-        x, y = batch
-        return F.cross_entropy(self(x), y)
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        logits = self(x)
-        self.log("val_loss", F.cross_entropy(logits, y), prog_bar=True, sync_dist=True)
-        self.val_acc.update(logits, y)
-        self.log("val_acc", self.val_acc, prog_bar=True)
