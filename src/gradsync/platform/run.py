@@ -364,6 +364,7 @@ def build_summary(spec: RunSpec, trainer: L.Trainer, model: Any, data: Any, cloc
         "resumed_from_step": resumed_from,
         "ranks_agree": agree,
         "nonfinite_skipped_steps": list(getattr(strategy, "skipped_steps", [])),
+        "strategy_stats": strategy.run_stats() if isinstance(strategy, GradsyncStrategy) else {},
         "checkpoint": str(spec.checkpoint_path) if spec.checkpoint_path and spec.checkpoint_path.exists() else None,
         "versions": {"torch": torch.__version__, "lightning": L.__version__},
     }

@@ -15,11 +15,12 @@ from gradsync.strategies.sync import SyncStrategy
 from gradsync.strategies.compressed import CompressedStrategy
 from gradsync.strategies.local_sgd import LocalSGDStrategy
 from gradsync.strategies.diloco import DiLoCoStrategy
+from gradsync.strategies.async_ps import AsyncPSStrategy
 
 #: Every gradsync strategy, by registry name. One name per idea; variants are options.
-STRATEGIES: dict[str, type[GradsyncStrategy]] = {cls.strategy_name: cls for cls in (SyncStrategy, AccumulateStrategy, LocalSGDStrategy, DiLoCoStrategy, CompressedStrategy)}
+STRATEGIES: dict[str, type[GradsyncStrategy]] = {cls.strategy_name: cls for cls in (SyncStrategy, AccumulateStrategy, LocalSGDStrategy, DiLoCoStrategy, CompressedStrategy, AsyncPSStrategy)}
 
 for _cls in STRATEGIES.values():
     _cls.register_strategies(StrategyRegistry)
 
-__all__ = ["STRATEGIES", "AccumulateStrategy", "CommLedger", "GradsyncStrategy", "SyncStrategy", "wire_bytes"]
+__all__ = ["STRATEGIES", "AccumulateStrategy", "AsyncPSStrategy", "CommLedger", "GradsyncStrategy", "SyncStrategy", "wire_bytes"]

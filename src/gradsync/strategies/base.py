@@ -239,6 +239,11 @@ class GradsyncStrategy(DDPStrategy):
             state, hook = built
             self.model.register_comm_hook(state, hook)
 
+    # ---- reporting -------------------------------------------------------------------------
+    def run_stats(self) -> dict:
+        """Strategy-specific figures for the run summary (``strategy_stats``). Called on every rank."""
+        return {}
+
     # ---- algorithm state -------------------------------------------------------------------
     def algorithm_state_dict(self) -> dict:
         """This rank's algorithm state (tensors on CPU). Subclasses extend it; keep the ledger."""

@@ -1,0 +1,368 @@
+"""``async_ps``: asynchronous SGD through a parameter server, with bounded staleness.
+
+Every rank is a worker; the first ``num_servers`` ranks also host one *server shard* each in a
+background thread (co-located servers, as in BytePS-style deployments: no rank idles as a pure
+server and no data shard goes unused). A shard holds the authoritative copy of its parameters and
+the optimizer for them (the recipe's optimizer class and hyperparameters). Each optimizer step a
+worker
+
+1. **pulls** the current parameters from every shard (waiting only if the staleness bound says so),
+2. runs forward and backward on its own batch,
+3. **pushes** the gradient, tagged with the versions it was computed from, and goes on — no barrier
+   with the other workers.
+
+A shard applies the mean of the gradients it holds as one update. ``max_staleness`` bounds how many
+updates a gradient may lag behind the parameters it is applied to; ``0`` is synchronous SGD (every
+update averages one gradient from each worker, all computed from the same parameters). The rule
+and its proof sketch are in :mod:`gradsync.strategies.ps_server`.
+
+Lightning's loop stays in charge: validation, checkpoints and the end of fit first wait for every
+worker (a barrier), then read the server's parameters, so every rank evaluates and saves the same,
+authoritative model. The checkpoint's ``state_dict`` is the server's parameters and its algorithm
+state holds each shard's parameters, optimizer state and version; a resume continues from them
+(also on another world size or shard count).
+
+Transport: point-to-point ``send``/``recv`` on one gloo group per shard (``torch.distributed``), also
+when training runs on CUDA/NCCL; the server keeps its parameters and optimizer on the CPU.
+
+Usage::
+
+    L.Trainer(strategy=AsyncPSStrategy(max_staleness=4), devices=3)
+    gradsync fit --recipe digits --strategy async_ps --strategy.max_staleness 4 --devices 3
+"""
+
+# No `from __future__ import annotations` here: DDP checks the hook's annotations at runtime.
+import time
+import types
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+
+from gradsync.errors import GradsyncError, check
+from gradsync.strategies.base import GradsyncStrategy
+from gradsync.strategies.ledger import fp32_allreduce_bytes
+from gradsync.strategies.ps_server import PSClient, ServerError, ServerThread, ShardState, split_shards
+
+
+def _make_sigterm_check_local(trainer: Any) -> None:
+    """Lightning broadcasts a SIGTERM flag from rank 0 before every training batch: a per-step
+    collective that would put the workers back in lockstep. Each worker checks its own flag instead
+    (torchrun and SLURM signal every process)."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    def local_check(self: Any) -> None:
+        if getattr(self.trainer, "received_sigterm", False):
+            raise SIGTERMException()
+
+    loop = trainer.fit_loop.epoch_loop
+    if hasattr(loop, "_broadcast_sigterm_tensor"):
+        loop._broadcast_sigterm_tensor = types.MethodType(local_check, loop)
+
+
+class _ServerModelFirst(Callback):
+    """Runs :meth:`AsyncPSStrategy.finish` before any other callback's ``on_train_end``."""
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if isinstance(trainer.strategy, AsyncPSStrategy):
+            trainer.strategy.finish()
+
+
+def keep_local_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Hand the bucket back untouched: gradients go to the parameter server, not to an all-reduce."""
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+class AsyncPSStrategy(GradsyncStrategy):
+    """Asynchronous SGD through parameter-server shards, staleness bounded by `max_staleness`."""
+
+    strategy_name = "async_ps"
+    gradients_synchronized = False
+
+    def __init__(self, *, max_staleness: int = 4, num_servers: int = 1, **kwargs: Any) -> None:
+        """
+        Args:
+            max_staleness: the most updates a gradient may lag behind the parameters it is applied
+                to; 0 is synchronous SGD. A fast worker waits only when it would get more than this
+                many updates ahead of a worker still computing; 2-16 is typical.
+            num_servers: how many ranks (the first ones) host a shard of the parameters and the
+                optimizer, so one server is not the bottleneck; 1 <= num_servers <= world size.
+            **kwargs: process-group options of :class:`~gradsync.strategies.base.GradsyncStrategy`.
+        """
+        check(isinstance(max_staleness, int) and not isinstance(max_staleness, bool) and max_staleness >= 0,
+              "max_staleness", max_staleness, "must be an integer >= 0", "0 is synchronous; e.g. --strategy.max_staleness 4")
+        check(isinstance(num_servers, int) and not isinstance(num_servers, bool) and num_servers >= 1,
+              "num_servers", num_servers, "must be an integer >= 1", "e.g. --strategy.num_servers 2")
+        self.max_staleness = max_staleness
+        self.num_servers = num_servers
+        super().__init__(**kwargs)
+        # Buffers stay local (there is no per-step collective to broadcast them with).
+        self._ddp_kwargs["broadcast_buffers"] = False
+        self.client: Optional[PSClient] = None
+        self.servers: dict[int, ServerThread] = {}
+        self._params: list[torch.Tensor] = []
+        self._shard_indices: list[list[int]] = []
+        self._need_pull = True
+        self._restored_ps: Optional[dict] = None
+        self._final_stats: Optional[dict] = None
+        self.reshard_note: Optional[str] = None
+        self.worker_stats = {"steps": 0, "pull_wait_seconds": 0.0, "push_seconds": 0.0,
+                             "first_step": None, "last_step": None}
+        import threading
+
+        self._ledger_lock = threading.Lock()
+
+    def build_comm_hook(self) -> Optional[tuple[Any, Callable]]:
+        return None, keep_local_hook
+
+    # ---- start and stop the servers --------------------------------------------------------------
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        if getattr(trainer.state, "fn", None) == "fit":
+            self._start(trainer)
+
+    def _record_send(self, nbytes: int) -> None:
+        with self._ledger_lock:
+            self.ledger.record("send", nbytes)
+
+    def _start(self, trainer: Any) -> None:
+        from lightning.pytorch.plugins.precision import MixedPrecision
+
+        if isinstance(self.precision_plugin, MixedPrecision) and getattr(self.precision_plugin, "scaler", None):
+            raise GradsyncError("--strategy async_ps applies gradients on the server and cannot use 16-mixed "
+                                "precision's loss scaling; use --precision bf16-mixed or 32-true")
+        if len(self.optimizers) != 1:
+            raise GradsyncError(f"async_ps runs one server optimizer; this module configures {len(self.optimizers)} "
+                                "optimizers. Use one optimizer or --strategy sync")
+        world = self.world_size
+        check(self.num_servers <= world, "num_servers", self.num_servers,
+              f"must be <= the number of processes ({world})", f"use --strategy.num_servers {world} or fewer")
+        module = self.lightning_module
+        params = [p for p in module.parameters() if p.requires_grad]
+        check(self.num_servers <= len(params), "num_servers", self.num_servers,
+              f"must be <= the number of trainable parameter tensors ({len(params)})")
+        self._params = params
+        optimizer = self.optimizers[0]
+        group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        missing = [i for i, p in enumerate(params) if id(p) not in group_of]
+        if missing:
+            raise GradsyncError(f"async_ps: {len(missing)} trainable parameters are not in the optimizer; "
+                                "give every trainable parameter to the optimizer or freeze it")
+        self._shard_indices = shards = split_shards([p.numel() for p in params], self.num_servers)
+        # Per shard a request group (on the server's rank only its thread receives on it) and a reply
+        # group; creating them is collective, in the same order on every rank.
+        everyone = list(range(world))
+        groups = [(dist.new_group(everyone, backend="gloo"), dist.new_group(everyone, backend="gloo"))
+                  if world > 1 else (None, None) for _ in shards]
+        _make_sigterm_check_local(trainer)
+        if not any(isinstance(c, _ServerModelFirst) for c in trainer.callbacks):
+            # First in the list, so every other callback's on_train_end sees the server's model.
+            trainer.callbacks.insert(0, _ServerModelFirst())
+        restored = self._restored_ps
+        num_lrs = len(optimizer.param_groups)
+        for j, idx in enumerate(shards):
+            if j != self.global_rank:
+                continue
+            init = [restored["params"][i] if restored else params[i] for i in idx]
+            lr_groups = sorted({group_of[id(params[i])] for i in idx})
+
+            def make_optimizer(copies: list, idx: list = idx, lr_groups: list = lr_groups) -> torch.optim.Optimizer:
+                param_groups = []
+                for wg in lr_groups:
+                    hyper = {k: v for k, v in optimizer.param_groups[wg].items() if k != "params"}
+                    param_groups.append({**hyper, "params": [c for c, i in zip(copies, idx) if group_of[id(params[i])] == wg]})
+                try:
+                    return type(optimizer)(param_groups, **optimizer.defaults)
+                except TypeError:
+                    return type(optimizer)(param_groups)
+
+            shard = ShardState(init, make_optimizer, lr_groups, num_workers=world, max_staleness=self.max_staleness,
+                               version=int(restored["versions"].get(j, restored["version"])) if restored else 0)
+            if restored:
+                shard.load(idx, restored["params"], restored["optimizer"])
+            thread = ServerThread(shard, request_group=groups[j][0], reply_group=groups[j][1], rank=self.global_rank, world_size=world, num_lrs=num_lrs,
+                                  on_send=self._record_send, name=f"gradsync-ps{j}")
+            thread.start()
+            self.servers[j] = thread
+        self.client = PSClient(params, shards, list(range(len(shards))), groups, self.servers,
+                               rank=self.global_rank, num_lrs=num_lrs, timeout=self.timeout_seconds,
+                               on_send=self._record_send)
+        self._need_pull = True
+        self._restored_ps = None
+
+    def _stop(self) -> None:
+        if self.client is None:
+            return
+        client, self.client = self.client, None
+        try:
+            client.stop()
+        finally:
+            for thread in self.servers.values():
+                thread.join(timeout=self.timeout_seconds)
+        self._final_stats = self._local_stats()
+
+    def teardown(self) -> None:
+        # After an error the servers are daemon threads; they end with the process.
+        self.client = None
+        super().teardown()
+
+    # ---- the training loop -------------------------------------------------------------------------
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.client is not None and self._need_pull:
+            t0 = time.perf_counter()
+            self._call(self.client.pull)
+            self.worker_stats["pull_wait_seconds"] += time.perf_counter() - t0
+            self._need_pull = False
+            if self.worker_stats["first_step"] is None:
+                self.worker_stats["first_step"] = time.perf_counter()
+        return super().training_step(*args, **kwargs)
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if self.client is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        try:
+            result = closure()
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
+            weight = 1.0
+            if self._weighted:
+                # backward saw sum(weight x mean loss) / K: push the sum, and its weight
+                weight = self._weight_sum
+                grads = [g * self.accumulation_steps for g in grads]
+            skip = False
+            if self.nonfinite_grads != "off" and not all(bool(torch.isfinite(g).all()) for g in grads):
+                step = self.lightning_module.trainer.global_step
+                if self.nonfinite_grads == "stop":
+                    raise GradsyncError(f"non-finite gradient (NaN/Inf) at optimizer step {step} on rank "
+                                        f"{self.global_rank}; stopping (--strategy.nonfinite_grads skip would drop it)")
+                skip = True
+                self.skipped_steps.append(step)
+            t0 = time.perf_counter()
+            self._call(self.client.push, grads, weight=weight, lrs=[g["lr"] for g in optimizer.param_groups], skip=skip)
+            self.worker_stats["push_seconds"] += time.perf_counter() - t0
+            self.ledger.add_logical(fp32_allreduce_bytes(sum(p.numel() for p in self._params), self.world_size))
+            optimizer.zero_grad()
+            self.worker_stats["steps"] += 1
+            self.worker_stats["last_step"] = time.perf_counter()
+            self._need_pull = True
+            return result
+        finally:
+            self._weight_sum, self._weighted = 0.0, False
+
+    def _call(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except ServerError as exc:
+            raise GradsyncError(str(exc)) from exc
+
+    def _read_server(self) -> None:
+        """Wait for every worker, then take the server's parameters (same on every rank)."""
+        if self.client is None:
+            return
+        if self.world_size > 1:
+            self.barrier("async_ps_read")
+        self._call(self.client.read)
+        self._need_pull = True
+
+    def on_validation_start(self) -> None:
+        self._read_server()
+        super().on_validation_start()
+
+    def finish(self) -> None:
+        """End of fit: every rank takes the server's final parameters, then the servers stop."""
+        self._read_server()
+        self._stop()
+
+    def on_train_end(self) -> None:
+        self.finish()  # already done by _ServerModelFirst unless the callback was removed
+        super().on_train_end()
+
+    def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if self.client is not None:
+            self._read_server()
+            # Lightning took the state_dict before this call; the server's parameters are the model.
+            checkpoint["state_dict"] = self.lightning_module_state_dict()
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    # ---- algorithm state ---------------------------------------------------------------------------
+    def algorithm_state_dict(self) -> dict:
+        state = super().algorithm_state_dict()
+        state["worker_stats"] = {k: v for k, v in self.worker_stats.items() if k in ("steps",)}
+        state["shards"] = {}
+        for j, thread in self.servers.items():
+            with thread.lock:
+                state["shards"][j] = {"indices": self._shard_indices[j], **thread.shard.state_dict(self._shard_indices[j])}
+        return state
+
+    def _apply_restored_state(self) -> None:
+        saved = self._restored_algorithm_state
+        if not saved:
+            return
+        parts = saved["ranks"]
+        merged: dict = {"params": {}, "optimizer": {}, "versions": {}, "version": 0}
+        shard_count = 0
+        for part in parts:
+            for j, shard in part.get("shards", {}).items():
+                merged["params"].update(shard["params"])
+                merged["optimizer"].update(shard["optimizer"])
+                merged["versions"][int(j)] = shard["version"]
+                shard_count += 1
+        if shard_count:
+            merged["version"] = max(merged["versions"].values())
+            self._restored_ps = merged
+        same = len(parts) == self.world_size and shard_count == self.num_servers
+        if not same:
+            merged["versions"] = {}  # a new sharding continues from the newest shard's count
+            self.reshard_note = (f"async_ps: checkpoint was written by {len(parts)} processes with {shard_count} "
+                                 f"server shard(s), this run has {self.world_size} with {self.num_servers}; kept the "
+                                 "server parameters, optimizer state and update count, re-sharded them")
+            if self.global_rank == 0:
+                warnings.warn(self.reshard_note, stacklevel=2)
+        self.load_algorithm_state_dict(parts[self.global_rank] if len(parts) == self.world_size else {"ledger": parts[0].get("ledger", {})})
+
+    # ---- reporting ---------------------------------------------------------------------------------
+    def _local_stats(self) -> dict:
+        ws = dict(self.worker_stats)
+        first, last = ws.pop("first_step"), ws.pop("last_step")
+        seconds = (last - first) if first is not None and last is not None else 0.0
+        ws["seconds"] = round(seconds, 4)
+        # steps after the first one, over the time between the first pull and the last push
+        ws["steps_per_second"] = round((ws["steps"] - 1) / seconds, 3) if seconds > 0 and ws["steps"] > 1 else None
+        ws["pull_wait_seconds"] = round(ws["pull_wait_seconds"], 4)
+        ws["push_seconds"] = round(ws["push_seconds"], 4)
+        shards = {}
+        for j, thread in self.servers.items():
+            with thread.lock:
+                shards[j] = {**thread.shard.stats(), "staleness": dict(thread.shard.staleness)}
+        return {"rank": self.global_rank, "worker": ws, "shards": shards}
+
+    def run_stats(self) -> dict:
+        """Staleness distribution, server counters and each worker's step rate (collective)."""
+        local = self._final_stats or self._local_stats()
+        if dist.is_available() and dist.is_initialized() and self.world_size > 1:
+            parts: list = [None] * self.world_size
+            dist.all_gather_object(parts, local)
+        else:
+            parts = [local]
+        shards = {j: s for p in parts for j, s in p["shards"].items()}
+        first = shards[min(shards)] if shards else {"staleness": {}}
+        hist = {int(k): int(v) for k, v in first["staleness"].items()}
+        n = sum(hist.values())
+        return {
+            "max_staleness": self.max_staleness,
+            "num_servers": self.num_servers,
+            # every gradient is applied once per shard; shard 0's view is the distribution
+            "staleness": {str(k): hist[k] for k in sorted(hist)},
+            "staleness_mean": round(sum(k * v for k, v in hist.items()) / n, 4) if n else None,
+            "staleness_max_observed": max(hist) if hist else None,
+            "server_updates": first.get("updates"),
+            "server_version": first.get("version"),
+            "gradients_per_update": round(first["gradients_applied"] / first["updates"], 3) if first.get("updates") else None,
+            "pushes": sum(s["pushes"] for s in shards.values()),
+            "pulls": sum(s["pulls"] for s in shards.values()),
+            "shards": {str(j): {k: v for k, v in s.items() if k != "staleness"} for j, s in sorted(shards.items())},
+            "workers": [{"rank": p["rank"], **p["worker"]} for p in parts],
+        }
