@@ -206,3 +206,21 @@ def test_convergence_within_3_points_of_sync_at_equal_updates(tmp_path):
     print(accs, stats)
     assert accs["sync"][0] > 0.9
     assert accs["async_ps"][0] >= accs["sync"][0] - 0.03, accs
+
+
+class HangingRank(DigitsClassifier):
+    """Rank 2 stops answering at step 4 without exiting (a hung process or a cut link)."""
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 2 and self.trainer.global_step == 4:
+            time.sleep(600)
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_lost_worker_is_reported_by_rank(tmp_path):
+    with pytest.raises(Exception) as info:
+        fit(model(cls=HangingRank), DigitsData(batch_size=16), devices=3, max_steps=30, out=tmp_path,
+            strategy=AsyncPSStrategy(max_staleness=2, timeout_seconds=4))
+    text = str(info.value)
+    assert "async_ps: lost contact with another process" in text, text[-2000:]
+    assert "rank 2 is the likely lost worker" in text, text[-2000:]

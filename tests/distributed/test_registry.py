@@ -14,7 +14,7 @@ from harness import fit, max_abs_diff
 pytestmark = pytest.mark.timeout(180)
 
 # One registry name per idea; variants are options. Changing this list is an API change.
-PINNED_NAMES = ["sync", "accumulate", "local_sgd", "diloco", "compressed"]
+PINNED_NAMES = ["sync", "accumulate", "local_sgd", "diloco", "compressed", "async_ps"]
 
 # Options that make each strategy do its thing in a 4-step run on 2 processes.
 SMOKE_SETTINGS = {
@@ -23,6 +23,7 @@ SMOKE_SETTINGS = {
     "local_sgd": ({"period": 2}, {}),
     "diloco": ({"period": 2}, {}),
     "compressed": ({"codec": "int8"}, {}),
+    "async_ps": ({"max_staleness": 2, "num_servers": 2}, {"accumulate_grad_batches": 2}),
 }
 
 

@@ -312,6 +312,11 @@ def _option_error_flag(component: str, option: str) -> str:
     return f"--{component}.{option}"
 
 
+def _check_strategy(strategy, world_size: int) -> None:
+    if hasattr(strategy, "check_world_size"):
+        strategy.check_world_size(world_size)
+
+
 def validate_spec(spec) -> None:
     """Construct the parts once, cheaply, so bad values fail before any process is launched."""
     from gradsync.errors import OptionError
@@ -320,7 +325,8 @@ def validate_spec(spec) -> None:
 
     for component, build in (("model", lambda: spec.model_class(**spec.model_options)),
                              ("data", lambda: spec.data_class(**spec.data_options)),
-                             ("strategy", lambda: build_strategy(spec.strategy, spec.strategy_options))):
+                             ("strategy", lambda: _check_strategy(build_strategy(spec.strategy, spec.strategy_options),
+                                                                  spec.world_size))):
         try:
             build()
         except OptionError as exc:

@@ -45,6 +45,14 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         ("wall time", f"{_fmt(summary.get('wall_seconds'))} s"),
         ("samples/s", _fmt(summary.get("samples_per_second"))),
     ]
+    ps = (summary.get("strategy_stats") or {}) if summary.get("strategy") == "async_ps" else {}
+    if ps.get("staleness"):
+        hist = " ".join(f"{k}:{v}" for k, v in ps["staleness"].items())
+        rows += [
+            ("server updates", f"{_fmt(ps.get('server_updates'))} ({_fmt(ps.get('gradients_per_update'))} gradients each)"),
+            ("staleness", f"mean {_fmt(ps.get('staleness_mean'))}, max {_fmt(ps.get('staleness_max_observed'))} "
+                          f"(bound {ps.get('max_staleness')}); histogram {hist}"),
+        ]
     if summary.get("tokens_per_second") is not None:
         rows.append(("tokens/s", _fmt(summary["tokens_per_second"])))
     if summary.get("resumed_from_step") is not None:

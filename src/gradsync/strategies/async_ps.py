@@ -119,6 +119,10 @@ class AsyncPSStrategy(GradsyncStrategy):
     def build_comm_hook(self) -> Optional[tuple[Any, Callable]]:
         return None, keep_local_hook
 
+    def check_world_size(self, world_size: int) -> None:
+        check(self.num_servers <= world_size, "num_servers", self.num_servers,
+              f"must be <= the number of processes ({world_size})", f"use --strategy.num_servers {world_size} or fewer")
+
     # ---- start and stop the servers --------------------------------------------------------------
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
@@ -139,8 +143,7 @@ class AsyncPSStrategy(GradsyncStrategy):
             raise GradsyncError(f"async_ps runs one server optimizer; this module configures {len(self.optimizers)} "
                                 "optimizers. Use one optimizer or --strategy sync")
         world = self.world_size
-        check(self.num_servers <= world, "num_servers", self.num_servers,
-              f"must be <= the number of processes ({world})", f"use --strategy.num_servers {world} or fewer")
+        self.check_world_size(world)
         module = self.lightning_module
         params = [p for p in module.parameters() if p.requires_grad]
         check(self.num_servers <= len(params), "num_servers", self.num_servers,
@@ -214,8 +217,10 @@ class AsyncPSStrategy(GradsyncStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.client is not None and self._need_pull:
             t0 = time.perf_counter()
-            self._call(self.client.pull)
-            self.worker_stats["pull_wait_seconds"] += time.perf_counter() - t0
+            self._call(self.client.pull, what="pull")
+            waited = time.perf_counter() - t0
+            self.worker_stats["pull_wait_seconds"] += waited
+            self.ledger.add_seconds(waited)  # transfer and any wait the staleness bound imposes
             self._need_pull = False
             if self.worker_stats["first_step"] is None:
                 self.worker_stats["first_step"] = time.perf_counter()
@@ -241,8 +246,9 @@ class AsyncPSStrategy(GradsyncStrategy):
                 skip = True
                 self.skipped_steps.append(step)
             t0 = time.perf_counter()
-            self._call(self.client.push, grads, weight=weight, lrs=[g["lr"] for g in optimizer.param_groups], skip=skip)
+            self._call(self.client.push, grads, what="push", weight=weight, lrs=[g["lr"] for g in optimizer.param_groups], skip=skip)
             self.worker_stats["push_seconds"] += time.perf_counter() - t0
+            self.ledger.add_seconds(time.perf_counter() - t0)
             self.ledger.add_logical(fp32_allreduce_bytes(sum(p.numel() for p in self._params), self.world_size))
             optimizer.zero_grad()
             self.worker_stats["steps"] += 1
@@ -252,19 +258,46 @@ class AsyncPSStrategy(GradsyncStrategy):
         finally:
             self._weight_sum, self._weighted = 0.0, False
 
-    def _call(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    def _call(self, fn: Callable, *args: Any, what: str = "", **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except ServerError as exc:
             raise GradsyncError(str(exc)) from exc
+        except (RuntimeError, TimeoutError) as exc:  # gloo: a peer closed its connection or stopped answering
+            raise GradsyncError(self._lost_report(what or getattr(fn, "__name__", "request"), exc)) from exc
+
+    def _lost_report(self, what: str, exc: BaseException) -> str:
+        """One line naming the likely lost worker, from the local server's view of its workers."""
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        detail = detail.split("] ", 1)[-1].split(". This is", 1)[0]
+        msg = f"async_ps: lost contact with another process during {what} on rank {self.global_rank} ({detail})"
+        seen: dict = {}
+        computing: dict = {}
+        for thread in self.servers.values():
+            with thread.lock:
+                seen.update(thread.last_seen)
+                computing.update({w: v for w, (state, v) in thread.shard.claims.items() if state == "pulled"})
+        if seen:
+            now = time.monotonic()
+            ages = {w: now - t for w, (t, _) in seen.items()}
+            ages.update({w: float("inf") for w in range(self.world_size) if w not in ages})
+            parts = ", ".join(f"rank {w} {'never' if ages[w] == float('inf') else f'{ages[w]:.1f} s ago'}"
+                              + (f" at version {seen[w][1]}" if w in seen else "") for w in sorted(ages))
+            msg += f"; last request per worker: {parts}"
+            # a worker that pulled and never pushed is the one the others were waiting for
+            suspects = sorted(computing, key=lambda w: (computing[w], -ages[w])) or [max(ages, key=lambda w: ages[w])]
+            w = suspects[0]
+            held = f" (pulled version {computing[w]} and never pushed)" if w in computing else ""
+            msg += f"; rank {w} is the likely lost worker{held}"
+        return msg + ("; torchrun --max-restarts (gradsync --max-restarts N) restarts the job from last.ckpt")
 
     def _read_server(self) -> None:
         """Wait for every worker, then take the server's parameters (same on every rank)."""
         if self.client is None:
             return
         if self.world_size > 1:
-            self.barrier("async_ps_read")
-        self._call(self.client.read)
+            self._call(self.barrier, "async_ps_read", what="the barrier before reading the server")
+        self._call(self.client.read, what="read")
         self._need_pull = True
 
     def on_validation_start(self) -> None:

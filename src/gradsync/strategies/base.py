@@ -116,6 +116,11 @@ class GradsyncStrategy(DDPStrategy):
                     out[name] = getattr(self, name)
         return out
 
+    def check_world_size(self, world_size: int) -> None:
+        """Raise :class:`~gradsync.errors.OptionError` if an option cannot work with ``world_size`` processes.
+
+        Called before any process is launched (by the CLI) and again at setup."""
+
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         if cls.strategy_name:

@@ -1,0 +1,41 @@
+"""`gradsync fit --strategy async_ps` end to end: three workers, the staleness distribution in the summary."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gradsync.cli.main import main
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_async_ps_on_three_processes_reports_staleness(tmp_path):
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    r = subprocess.run([sys.executable, "-m", "gradsync.cli.main", "fit", "--recipe", "digits", "--strategy", "async_ps",
+                        "--strategy.max_staleness", "3", "--devices", "3", "--accelerator", "cpu", "--max-steps", "20",
+                        "--output-dir", str(out)], capture_output=True, text=True, timeout=200, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    ps = summary["strategy_stats"]
+    hist = {int(k): v for k, v in ps["staleness"].items()}
+    assert sum(hist.values()) == 60  # every pushed gradient of the 3 workers x 20 steps was applied once
+    assert max(hist) <= 3 == ps["max_staleness"] and ps["staleness_max_observed"] == max(hist)
+    assert ps["pushes"] == 60 and ps["pulls"] == 60 and ps["server_version"] == ps["server_updates"]
+    assert [w["steps"] for w in ps["workers"]] == [20, 20, 20]
+    assert summary["ranks_agree"] is True  # every rank ends with the server's model
+    assert "staleness" in r.stdout and "histogram" in r.stdout
+    ckpt = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ckpt["gradsync"]["ranks"][0]["shards"][0]["version"] == ps["server_version"]
+
+
+def test_too_many_servers_is_a_one_line_error(capsys):
+    code = main(["fit", "--recipe", "digits", "--strategy", "async_ps", "--strategy.num_servers", "4",
+                 "--devices", "3", "--accelerator", "cpu"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "--strategy.num_servers 4" in err and "<= the number of processes (3)" in err
