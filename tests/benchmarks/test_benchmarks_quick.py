@@ -64,3 +64,14 @@ def test_slowlink(tmp_path):
     assert names == ["sync", "local_sgd period 8"]
     wire = {r[0]: r[4] for r in data["rows"]}
     assert wire["local_sgd period 8"] < wire["sync"] / 4   # bytes really dropped on the wire
+
+
+def test_straggler(tmp_path):
+    from benchmarks import straggler
+
+    straggler.run(tmp_path, quick=True)
+    data = _check(tmp_path, "straggler")
+    results = data["data"]["results"]
+    assert [r["delay"] for r in results] == [0.0, 0.06]
+    assert all(r["gradients_per_s_sync"] > 0 and r["gradients_per_s_async_ps"] > 0 for r in results)
+    assert all(0 <= r["acc_sync"] <= 1 and 0 <= r["acc_async_ps"] <= 1 for r in results)
