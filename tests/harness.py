@@ -6,6 +6,7 @@ pytest; these helpers use the fork start method instead (~0.6 s per 2-process fi
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 from pathlib import Path
@@ -65,6 +66,27 @@ def fit(model: L.LightningModule, data: L.LightningDataModule, *, strategy: Any 
     )
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(devices)]
+
+
+class ValAccuracy(Callback):
+    """Accuracy of the final model (after the strategy's last round or read) on the validation split."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = Path(out)
+
+    @torch.no_grad()
+    def on_fit_end(self, trainer, pl_module) -> None:
+        x, y = trainer.datamodule.val_set.tensors
+        acc = (pl_module(x).argmax(1) == y).float().mean().item()
+        torch.save(acc, self.out / f"val_acc{trainer.global_rank}.pt")
+
+
+def digest(tensors) -> str:
+    """sha256 of the tensors' bytes: equal hashes mean bit-identical tensors."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 def max_abs_diff(a: dict, b: dict) -> float:

@@ -1,6 +1,5 @@
 """async_ps: synchronous at bound 0, the bound holds (instrumented), a slow worker, resume, convergence."""
 
-import hashlib
 import time
 from pathlib import Path
 
@@ -11,7 +10,7 @@ from lightning.pytorch.callbacks import Callback
 
 from gradsync.recipes import DigitsClassifier, DigitsData
 from gradsync.strategies import AsyncPSStrategy, SyncStrategy
-from harness import fit, max_abs_diff
+from harness import ValAccuracy, digest, fit, max_abs_diff
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -32,13 +31,6 @@ class SlowRank(DigitsClassifier):
         if self.global_rank == self.slow_rank:
             time.sleep(self.delay)
         return super().training_step(batch, batch_idx)
-
-
-def digest(tensors):
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 class TracedPS(AsyncPSStrategy):
@@ -179,19 +171,9 @@ def test_resume_on_another_world_size_reshards_the_server(tmp_path):
     assert max_abs_diff(ranks[0]["params"], saved["state_dict"]) > 0  # it went on training from there
 
 
-class ValAccuracy(Callback):
-    def __init__(self, out):
-        self.out = Path(out)
-
-    @torch.no_grad()
-    def on_fit_end(self, trainer, pl_module):
-        x, y = trainer.datamodule.val_set.tensors
-        torch.save((pl_module(x).argmax(1) == y).float().mean().item(), self.out / f"val_acc{trainer.global_rank}.pt")
-
-
 def test_convergence_within_3_points_of_sync_at_equal_updates(tmp_path):
     # Plain SGD for both: with momentum 0.9 asynchrony adds implicit momentum and async_ps falls to
-    # 0.81-0.87 here (see docs/concepts/async-ps.md); the docs recommend momentum <= 0.5.
+    # 0.81-0.87 here (see docs/strategies/async-ps.md); the docs recommend momentum <= 0.5.
     updates = 180
     accs = {}
     for name, strategy, steps in [("sync", SyncStrategy(), updates),

@@ -1,6 +1,5 @@
 """local_sgd and diloco: equivalences, agreement after rounds, DiLoCo by hand, overlap, resume."""
 
-import hashlib
 from pathlib import Path
 
 import lightning as L
@@ -10,7 +9,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from gradsync.recipes import DigitsClassifier, DigitsData
 from gradsync.strategies import DiLoCoStrategy, LocalSGDStrategy, SyncStrategy
-from harness import fit, max_abs_diff
+from harness import ValAccuracy, digest, fit, max_abs_diff
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -18,13 +17,6 @@ pytestmark = pytest.mark.timeout(120)
 def model(momentum=0.0, seed=0):
     L.seed_everything(seed, verbose=False)
     return DigitsClassifier(lr=0.1, momentum=momentum)
-
-
-def digest(tensors):
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 class RecordHashes(Callback):
@@ -171,19 +163,6 @@ def test_resume_mid_period_equals_uninterrupted(tmp_path, make):
         diff = max_abs_diff(a["params"], b["params"])
         assert diff <= 1e-6, f"resumed run differs from the uninterrupted one by {diff}"
         assert b["ledger"]["wire_bytes"] == a["ledger"]["wire_bytes"]
-
-
-class ValAccuracy(Callback):
-    """Accuracy of the final model on the validation split, after the strategy's last round."""
-
-    def __init__(self, out):
-        self.out = Path(out)
-
-    @torch.no_grad()
-    def on_fit_end(self, trainer, pl_module):
-        x, y = trainer.datamodule.val_set.tensors
-        acc = (pl_module(x).argmax(1) == y).float().mean().item()
-        torch.save(acc, self.out / f"val_acc{trainer.global_rank}.pt")
 
 
 def test_convergence_on_digits_with_fewer_bytes(tmp_path):
