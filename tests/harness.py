@@ -58,12 +58,13 @@ def fit(model: L.LightningModule, data: L.LightningDataModule, *, strategy: Any 
         strategy = "ddp_fork"
     os.environ["MASTER_PORT"] = str(free_port())
     checkpointing = any(isinstance(c, ModelCheckpoint) for c in callbacks)
-    trainer = L.Trainer(
+    settings = dict(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps, logger=False,
         enable_checkpointing=checkpointing, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=0, use_distributed_sampler=False,
-        callbacks=[DumpRankState(out), *callbacks], **trainer_kwargs,
+        callbacks=[DumpRankState(out), *callbacks],
     )
+    trainer = L.Trainer(**{**settings, **trainer_kwargs})
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(devices)]
 

@@ -206,3 +206,38 @@ def test_a_lost_worker_is_reported_by_rank(tmp_path):
     text = str(info.value)
     assert "async_ps: lost contact with another process" in text, text[-2000:]
     assert "rank 2 is the likely lost worker" in text, text[-2000:]
+
+
+class LoggingSlowRank(SlowRank):
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        self.log("worker_step", float(self.trainer.global_step), on_step=True, on_epoch=True)  # no collective
+        return out
+
+
+def test_validation_checkpoints_and_epoch_ends_with_workers_at_different_steps(tmp_path):
+    """Validation every 5 steps and at epoch ends, checkpoints every 4 steps, epoch-level logging,
+    while rank 2 lags behind: nothing deadlocks, and every checkpoint and validation sees the server's model."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    ckpts = tmp_path / "ckpts"
+    ranks = fit(model(cls=LoggingSlowRank, delay=0.02), DigitsData(batch_size=16), devices=3, max_steps=40,
+                out=tmp_path, strategy=AsyncPSStrategy(max_staleness=3),
+                callbacks=(ModelCheckpoint(dirpath=ckpts, every_n_train_steps=4, save_top_k=-1),),
+                limit_val_batches=2, val_check_interval=5, limit_train_batches=12)
+    assert all(r["global_step"] == 40 for r in ranks)
+    assert max_abs_diff(ranks[0]["params"], ranks[2]["params"]) == 0.0
+    assert len(list(ckpts.glob("*.ckpt"))) == 10
+    last = torch.load(sorted(ckpts.glob("*step=40*.ckpt"))[0], weights_only=False)
+    shard = last["gradsync"]["ranks"][0]["shards"][0]
+    assert shard["version"] > 40  # asynchronous: more updates than steps per worker
+    assert all(torch.equal(v, shard["params"][i]) for i, v in enumerate(last["state_dict"].values()))
+    assert "val_loss" in ranks[0]["metrics"] and "worker_step_epoch" in ranks[0]["metrics"]
+
+
+def test_one_process(tmp_path):
+    ranks = fit(model(), DigitsData(batch_size=16), devices=1, max_steps=6, out=tmp_path,
+                strategy=AsyncPSStrategy(max_staleness=2))
+    sync = fit(model(), DigitsData(batch_size=16), devices=1, max_steps=6, out=tmp_path / "sync",
+               strategy=SyncStrategy())
+    assert max_abs_diff(ranks[0]["params"], sync[0]["params"]) <= 1e-6  # one worker: plain SGD

@@ -32,6 +32,7 @@ Usage::
 """
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations at runtime.
+import threading
 import time
 import types
 import warnings
@@ -112,8 +113,6 @@ class AsyncPSStrategy(GradsyncStrategy):
         self.reshard_note: Optional[str] = None
         self.worker_stats = {"steps": 0, "pull_wait_seconds": 0.0, "push_seconds": 0.0,
                              "first_step": None, "last_step": None}
-        import threading
-
         self._ledger_lock = threading.Lock()
 
     def build_comm_hook(self) -> Optional[tuple[Any, Callable]]:
@@ -220,7 +219,8 @@ class AsyncPSStrategy(GradsyncStrategy):
             self._call(self.client.pull, what="pull")
             waited = time.perf_counter() - t0
             self.worker_stats["pull_wait_seconds"] += waited
-            self.ledger.add_seconds(waited)  # transfer and any wait the staleness bound imposes
+            with self._ledger_lock:  # the server thread records its replies in the same ledger
+                self.ledger.add_seconds(waited)  # transfer and any wait the staleness bound imposes
             self._need_pull = False
             if self.worker_stats["first_step"] is None:
                 self.worker_stats["first_step"] = time.perf_counter()
@@ -248,8 +248,9 @@ class AsyncPSStrategy(GradsyncStrategy):
             t0 = time.perf_counter()
             self._call(self.client.push, grads, what="push", weight=weight, lrs=[g["lr"] for g in optimizer.param_groups], skip=skip)
             self.worker_stats["push_seconds"] += time.perf_counter() - t0
-            self.ledger.add_seconds(time.perf_counter() - t0)
-            self.ledger.add_logical(fp32_allreduce_bytes(sum(p.numel() for p in self._params), self.world_size))
+            with self._ledger_lock:
+                self.ledger.add_seconds(time.perf_counter() - t0)
+                self.ledger.add_logical(fp32_allreduce_bytes(sum(p.numel() for p in self._params), self.world_size))
             optimizer.zero_grad()
             self.worker_stats["steps"] += 1
             self.worker_stats["last_step"] = time.perf_counter()
