@@ -172,9 +172,10 @@ def test_resume_on_another_world_size_reshards_the_server(tmp_path):
 
 
 def test_convergence_within_3_points_of_sync_at_equal_updates(tmp_path):
-    # Plain SGD for both: with momentum 0.9 asynchrony adds implicit momentum and async_ps falls to
-    # 0.81-0.87 here (see docs/strategies/async-ps.md); the docs recommend momentum <= 0.5.
-    updates = 180
+    # Plain SGD for both. Measured here at 360 updates: sync 0.983; async_ps 0.960-0.976 with the
+    # default staleness_scaling (inverse), 0.946-0.980 without it; with momentum 0.9 asynchrony adds
+    # implicit momentum and the spread is wider (docs/strategies/async-ps.md).
+    updates = 360
     accs = {}
     for name, strategy, steps in [("sync", SyncStrategy(), updates),
                                   ("async_ps", AsyncPSStrategy(max_staleness=4), updates // 3)]:
@@ -186,7 +187,7 @@ def test_convergence_within_3_points_of_sync_at_equal_updates(tmp_path):
     stats = torch.load(tmp_path / "async_ps" / "trace0.pt", weights_only=False)["stats"]["shards"][0]
     assert 0.8 * updates <= stats["updates"] <= updates and stats["gradients_applied"] == updates
     print(accs, stats)
-    assert accs["sync"][0] > 0.9
+    assert accs["sync"][0] > 0.95
     assert accs["async_ps"][0] >= accs["sync"][0] - 0.03, accs
 
 

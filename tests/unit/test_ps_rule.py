@@ -6,9 +6,9 @@ import torch
 from gradsync.strategies.ps_server import ServerError, ShardState, split_shards
 
 
-def shard(s, workers=3, lr=1.0):
+def shard(s, workers=3, lr=1.0, scaling="none"):
     return ShardState([torch.zeros(2)], lambda ps: torch.optim.SGD(ps, lr=lr), [0], num_workers=workers,
-                      max_staleness=s)
+                      max_staleness=s, staleness_scaling=scaling)
 
 
 def grad(*values):
@@ -94,3 +94,16 @@ def test_split_shards_balances_and_covers_every_parameter():
     assert max(loads) - min(loads) <= 10
     with pytest.raises(ValueError, match="exceeds the number of parameters"):
         split_shards([1, 2], 3)
+
+
+@pytest.mark.parametrize("scaling, expected", [("none", -4.0), ("inverse", -3.0)])
+def test_inverse_scaling_weighs_a_gradient_two_updates_late_by_half(scaling, expected):
+    sh = shard(2, workers=2, scaling=scaling)
+    sh.try_pull(0), sh.try_pull(1)  # both at version 0
+    for v in (0, 1):  # worker 0 runs two updates ahead
+        sh.push(0, v, 1.0, [1.0], grad(1.0, 1.0))
+        sh.try_pull(0)
+    assert sh.version == 2
+    sh.push(1, 0, 1.0, [1.0], grad(2.0, 2.0))  # computed at 0, applied at 2: staleness 2
+    assert dict(sh.staleness) == {0: 2, 2: 1}  # worker 0 always pulled fresh parameters
+    assert torch.allclose(sh.params[0].detach(), torch.tensor([expected, expected]))

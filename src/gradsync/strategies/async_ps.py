@@ -36,7 +36,7 @@ import threading
 import time
 import types
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -84,7 +84,8 @@ class AsyncPSStrategy(GradsyncStrategy):
     strategy_name = "async_ps"
     gradients_synchronized = False
 
-    def __init__(self, *, max_staleness: int = 4, num_servers: int = 1, **kwargs: Any) -> None:
+    def __init__(self, *, max_staleness: int = 4, num_servers: int = 1,
+                 staleness_scaling: Literal["none", "inverse"] = "inverse", **kwargs: Any) -> None:
         """
         Args:
             max_staleness: the most updates a gradient may lag behind the parameters it is applied
@@ -92,14 +93,20 @@ class AsyncPSStrategy(GradsyncStrategy):
                 many updates ahead of a worker still computing; 2-16 is typical.
             num_servers: how many ranks (the first ones) host a shard of the parameters and the
                 optimizer, so one server is not the bottleneck; 1 <= num_servers <= world size.
+            staleness_scaling: ``inverse`` scales a gradient applied tau >= 1 updates late by 1/tau
+                (staleness-dependent learning rate; keeps momentum 0.9 stable under asynchrony);
+                ``none`` applies every gradient at full weight. No effect at max_staleness 0.
             **kwargs: process-group options of :class:`~gradsync.strategies.base.GradsyncStrategy`.
         """
         check(isinstance(max_staleness, int) and not isinstance(max_staleness, bool) and max_staleness >= 0,
               "max_staleness", max_staleness, "must be an integer >= 0", "0 is synchronous; e.g. --strategy.max_staleness 4")
         check(isinstance(num_servers, int) and not isinstance(num_servers, bool) and num_servers >= 1,
               "num_servers", num_servers, "must be an integer >= 1", "e.g. --strategy.num_servers 2")
+        check(staleness_scaling in ("none", "inverse"), "staleness_scaling", staleness_scaling,
+              "must be one of none, inverse")
         self.max_staleness = max_staleness
         self.num_servers = num_servers
+        self.staleness_scaling = staleness_scaling
         super().__init__(**kwargs)
         # Buffers stay local (there is no per-step collective to broadcast them with).
         self._ddp_kwargs["broadcast_buffers"] = False
@@ -183,6 +190,7 @@ class AsyncPSStrategy(GradsyncStrategy):
                     return type(optimizer)(param_groups)
 
             shard = ShardState(init, make_optimizer, lr_groups, num_workers=world, max_staleness=self.max_staleness,
+                               staleness_scaling=self.staleness_scaling,
                                version=int(restored["versions"].get(j, restored["version"])) if restored else 0)
             if restored:
                 shard.load(idx, restored["params"], restored["optimizer"])
@@ -388,6 +396,7 @@ class AsyncPSStrategy(GradsyncStrategy):
         return {
             "max_staleness": self.max_staleness,
             "num_servers": self.num_servers,
+            "staleness_scaling": self.staleness_scaling,
             # every gradient is applied once per shard; shard 0's view is the distribution
             "staleness": {str(k): hist[k] for k in sorted(hist)},
             "staleness_mean": round(sum(k * v for k, v in hist.items()) / n, 4) if n else None,

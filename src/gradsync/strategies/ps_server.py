@@ -30,7 +30,10 @@ more than ``s`` updates ahead of a worker still computing. Gradients of one upda
 (worker, version) order, so a run with ``s = 0`` is deterministic.
 
 The weights of a push: an unweighted gradient counts 1; a weighted one (sum of weight x gradient of
-the mean loss) counts its weight, so the update is the exact weighted mean over every sample.
+the mean loss) counts its weight, so the update is the exact weighted mean over every sample. With
+``staleness_scaling="inverse"`` a gradient applied ``tau >= 1`` updates late is scaled by ``1/tau``
+in that mean (the staleness-dependent learning rate of Zhang et al. 2016); fresh gradients and
+every gradient at bound 0 are unaffected.
 """
 
 from __future__ import annotations
@@ -100,7 +103,8 @@ class ShardState:
     """One parameter-server shard. See the module docstring for the rule it enforces."""
 
     def __init__(self, params: list[torch.Tensor], make_optimizer: Callable[[list[torch.Tensor]], Any],
-                 lr_groups: list[int], *, num_workers: int, max_staleness: int, version: int = 0) -> None:
+                 lr_groups: list[int], *, num_workers: int, max_staleness: int, version: int = 0,
+                 staleness_scaling: str = "none") -> None:
         """
         Args:
             params: initial values of this shard's parameters (copied to CPU).
@@ -110,7 +114,12 @@ class ShardState:
             num_workers: workers 0..num_workers-1 push to and pull from this shard.
             max_staleness: the bound ``s`` (0 = synchronous).
             version: starting version (a resumed run continues its count).
+            staleness_scaling: ``none``, or ``inverse``: a gradient applied ``tau >= 1`` updates late
+                enters the mean with weight ``1/tau`` (a staleness-dependent learning rate).
         """
+        if staleness_scaling not in ("none", "inverse"):
+            raise ValueError(f"staleness_scaling must be none or inverse, got {staleness_scaling!r}")
+        self.staleness_scaling = staleness_scaling
         self.params = [p.detach().to("cpu", copy=True).requires_grad_(True) for p in params]
         self.optimizer = make_optimizer(self.params)
         self.lr_groups = list(lr_groups)
@@ -194,10 +203,12 @@ class ShardState:
         t = self.version
         entries = sorted(self.pending, key=lambda e: (e[0], e[1]))
         total = sum(e[2] for e in entries)
+        # staleness-aware: a gradient tau updates late counts 1/tau (Zhang et al. 2016)
+        scales = [1.0 / max(1, t - e[1]) if self.staleness_scaling == "inverse" else 1.0 for e in entries]
         for gi, (dtype, idx) in enumerate(self.layout):
             acc = torch.zeros_like(entries[0][3][gi], dtype=torch.float64 if dtype == torch.float64 else torch.float32)
-            for e in entries:
-                acc += e[3][gi]
+            for e, scale in zip(entries, scales):
+                acc.add_(e[3][gi], alpha=scale) if scale != 1.0 else acc.add_(e[3][gi])
             acc /= total
             offset = 0
             for i in idx:
