@@ -98,7 +98,7 @@ def test_staleness_bound_holds_instrumented(tmp_path):
     final_version = applied[-1][0] + 1
     for tr in traces:
         for version, h in tr["pulled"]:
-            assert version == final_version or params_at[version] == h, f"worker held other parameters than version {version}"
+            assert version == final_version or params_at[version] == h, f"worker held other parameters than v{version}"
     staleness = [t - v for t, _, grads in applied for _, v in grads]
     assert len(staleness) == 3 * 24
     assert max(staleness) <= bound, f"a gradient was applied {max(staleness)} updates late (bound {bound})"
@@ -236,9 +236,30 @@ def test_validation_checkpoints_and_epoch_ends_with_workers_at_different_steps(t
     assert "val_loss" in ranks[0]["metrics"] and "worker_step_epoch" in ranks[0]["metrics"]
 
 
-def test_one_process(tmp_path):
-    ranks = fit(model(), DigitsData(batch_size=16), devices=1, max_steps=6, out=tmp_path,
-                strategy=AsyncPSStrategy(max_staleness=2))
-    sync = fit(model(), DigitsData(batch_size=16), devices=1, max_steps=6, out=tmp_path / "sync",
-               strategy=SyncStrategy())
-    assert max_abs_diff(ranks[0]["params"], sync[0]["params"]) <= 1e-6  # one worker: plain SGD
+class RecordWarnings(Callback):
+    """Records the warnings raised in this (forked) process during fit."""
+
+    def __init__(self, out):
+        self.out = Path(out)
+
+    def on_fit_start(self, trainer, pl_module):
+        import warnings
+
+        self._ctx = warnings.catch_warnings(record=True)
+        self.caught = self._ctx.__enter__()
+        warnings.simplefilter("always")
+
+    def on_fit_end(self, trainer, pl_module):
+        self._ctx.__exit__(None, None, None)
+        torch.save([str(w.message) for w in self.caught], self.out / f"warnings{trainer.global_rank}.pt")
+
+
+def test_one_process_with_a_schedule(tmp_path):
+    ranks = fit(model(scheduler="cosine", warmup_steps=2), DigitsData(batch_size=16), devices=1, max_steps=6,
+                out=tmp_path, strategy=AsyncPSStrategy(max_staleness=2), callbacks=(RecordWarnings(tmp_path),))
+    sync = fit(model(scheduler="cosine", warmup_steps=2), DigitsData(batch_size=16), devices=1, max_steps=6,
+               out=tmp_path / "sync", strategy=SyncStrategy())
+    # one worker: SGD, with the learning rate each push carries from the worker's schedule
+    assert max_abs_diff(ranks[0]["params"], sync[0]["params"]) <= 1e-6
+    caught = torch.load(tmp_path / "warnings0.pt")
+    assert not [w for w in caught if "lr_scheduler.step()" in w], caught  # the server's step counts

@@ -99,7 +99,8 @@ class AsyncPSStrategy(GradsyncStrategy):
             **kwargs: process-group options of :class:`~gradsync.strategies.base.GradsyncStrategy`.
         """
         check(isinstance(max_staleness, int) and not isinstance(max_staleness, bool) and max_staleness >= 0,
-              "max_staleness", max_staleness, "must be an integer >= 0", "0 is synchronous; e.g. --strategy.max_staleness 4")
+              "max_staleness", max_staleness, "must be an integer >= 0",
+              "0 is synchronous; e.g. --strategy.max_staleness 4")
         check(isinstance(num_servers, int) and not isinstance(num_servers, bool) and num_servers >= 1,
               "num_servers", num_servers, "must be an integer >= 1", "e.g. --strategy.num_servers 2")
         check(staleness_scaling in ("none", "inverse"), "staleness_scaling", staleness_scaling,
@@ -183,7 +184,8 @@ class AsyncPSStrategy(GradsyncStrategy):
                 param_groups = []
                 for wg in lr_groups:
                     hyper = {k: v for k, v in optimizer.param_groups[wg].items() if k != "params"}
-                    param_groups.append({**hyper, "params": [c for c, i in zip(copies, idx) if group_of[id(params[i])] == wg]})
+                    mine = [c for c, i in zip(copies, idx) if group_of[id(params[i])] == wg]
+                    param_groups.append({**hyper, "params": mine})
                 try:
                     return type(optimizer)(param_groups, **optimizer.defaults)
                 except TypeError:
@@ -194,8 +196,8 @@ class AsyncPSStrategy(GradsyncStrategy):
                                version=int(restored["versions"].get(j, restored["version"])) if restored else 0)
             if restored:
                 shard.load(idx, restored["params"], restored["optimizer"])
-            thread = ServerThread(shard, request_group=groups[j][0], reply_group=groups[j][1], rank=self.global_rank, world_size=world, num_lrs=num_lrs,
-                                  on_send=self._record_send, name=f"gradsync-ps{j}")
+            thread = ServerThread(shard, request_group=groups[j][0], reply_group=groups[j][1], rank=self.global_rank,
+                                  world_size=world, num_lrs=num_lrs, on_send=self._record_send, name=f"gradsync-ps{j}")
             thread.start()
             self.servers[j] = thread
         self.client = PSClient(params, shards, list(range(len(shards))), groups, self.servers,
@@ -254,12 +256,16 @@ class AsyncPSStrategy(GradsyncStrategy):
                 skip = True
                 self.skipped_steps.append(step)
             t0 = time.perf_counter()
-            self._call(self.client.push, grads, what="push", weight=weight, lrs=[g["lr"] for g in optimizer.param_groups], skip=skip)
+            lrs = [g["lr"] for g in optimizer.param_groups]
+            self._call(self.client.push, grads, what="push", weight=weight, lrs=lrs, skip=skip)
             self.worker_stats["push_seconds"] += time.perf_counter() - t0
             with self._ledger_lock:
                 self.ledger.add_seconds(time.perf_counter() - t0)
                 self.ledger.add_logical(fp32_allreduce_bytes(sum(p.numel() for p in self._params), self.world_size))
             optimizer.zero_grad()
+            # The step happened on the server: tell torch's LR schedulers, which otherwise warn that
+            # the scheduler stepped before the optimizer ever did.
+            getattr(optimizer, "optimizer", optimizer)._opt_called = True
             self.worker_stats["steps"] += 1
             self.worker_stats["last_step"] = time.perf_counter()
             self._need_pull = True
@@ -336,7 +342,8 @@ class AsyncPSStrategy(GradsyncStrategy):
         state["shards"] = {}
         for j, thread in self.servers.items():
             with thread.lock:
-                state["shards"][j] = {"indices": self._shard_indices[j], **thread.shard.state_dict(self._shard_indices[j])}
+                indices = self._shard_indices[j]
+                state["shards"][j] = {"indices": indices, **thread.shard.state_dict(indices)}
         return state
 
     def _apply_restored_state(self) -> None:
@@ -363,7 +370,8 @@ class AsyncPSStrategy(GradsyncStrategy):
                                  "server parameters, optimizer state and update count, re-sharded them")
             if self.global_rank == 0:
                 warnings.warn(self.reshard_note, stacklevel=2)
-        self.load_algorithm_state_dict(parts[self.global_rank] if len(parts) == self.world_size else {"ledger": parts[0].get("ledger", {})})
+        own = parts[self.global_rank] if len(parts) == self.world_size else {"ledger": parts[0].get("ledger", {})}
+        self.load_algorithm_state_dict(own)
 
     # ---- reporting ---------------------------------------------------------------------------------
     def _local_stats(self) -> dict:
@@ -403,7 +411,8 @@ class AsyncPSStrategy(GradsyncStrategy):
             "staleness_max_observed": max(hist) if hist else None,
             "server_updates": first.get("updates"),
             "server_version": first.get("version"),
-            "gradients_per_update": round(first["gradients_applied"] / first["updates"], 3) if first.get("updates") else None,
+            "gradients_per_update": (round(first["gradients_applied"] / first["updates"], 3)
+                                     if first.get("updates") else None),
             "pushes": sum(s["pushes"] for s in shards.values()),
             "pulls": sum(s["pulls"] for s in shards.values()),
             "shards": {str(j): {k: v for k, v in s.items() if k != "staleness"} for j, s in sorted(shards.items())},
