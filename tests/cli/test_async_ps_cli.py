@@ -39,3 +39,31 @@ def test_too_many_servers_is_a_one_line_error(capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1, err
     assert "--strategy.num_servers 4" in err and "<= the number of processes (3)" in err
+
+
+DYING = '''
+import os
+from gradsync.recipes import DigitsClassifier
+
+
+class DyingDigits(DigitsClassifier):
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 2 and self.trainer.global_step == 5:
+            os._exit(17)  # the process is gone: no exception, no goodbye
+        return super().training_step(batch, batch_idx)
+'''
+
+
+def test_a_worker_that_dies_stops_the_job_and_is_named(tmp_path):
+    (tmp_path / "dying.py").write_text(DYING)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline",
+           "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    r = subprocess.run([sys.executable, "-m", "gradsync.cli.main", "fit", "--model", "dying.DyingDigits",
+                        "--data", "gradsync.recipes.digits.DigitsData", "--strategy", "async_ps", "--devices", "3",
+                        "--accelerator", "cpu", "--max-steps", "40", "--output-dir", str(tmp_path / "run")],
+                       capture_output=True, text=True, timeout=200, env=env)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0
+    root = out[out.index("Root Cause"):]  # torchrun's report names the first failure
+    assert "rank      : 2" in root and "exitcode  : 17" in root, root[:800]
+    assert "gradsync: error: the launched processes failed" in out
