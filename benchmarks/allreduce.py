@@ -1,7 +1,8 @@
 """allreduce: an nccl-tests-style sweep of message sizes, raw ``all_reduce`` against gradsync's sync path.
 
 For each size S both paths run alternately on the same process group: the raw collective, and what
-the ``sync`` strategy's hook does (divide by N, all-reduce through the ledger, wait on the future).
+the ``sync`` strategy's hook does (all-reduce through the ledger, wait on the future; the mean's 1/N
+is folded into the loss before backward, so the hook does not divide).
 Algorithm bandwidth = S / time; bus bandwidth = algbw * 2(N-1)/N (the nccl-tests convention), which
 is what one rank's link carries and is comparable across N.
 """
@@ -46,7 +47,7 @@ def _worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, ou
             dist.all_reduce(t)
 
         def gradsync_path():
-            ledger.all_reduce(t.div_(world), async_op=True).wait()
+            ledger.all_reduce(t, async_op=True).wait()
 
         times = {"raw": [], "sync": []}
         for fn in (raw, gradsync_path):  # warm-up

@@ -31,10 +31,33 @@ def allreduce_hook(state: AllReduceState, bucket: dist.GradBucket) -> torch.futu
     return state.ledger.all_reduce(tensor, group=state.group, async_op=True)
 
 
+def allreduce_sum_hook(state: AllReduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Sum a gradient bucket across ranks with one all-reduce, and record it in the ledger.
+
+    For gradients that already carry the 1/N of the mean (``sync`` divides the loss by N before
+    backward): this saves the hook's pass over the bucket that :func:`allreduce_hook` spends on
+    dividing — the pass DDP's built-in reduction fuses into its copy into the bucket.
+    """
+    tensor = bucket.buffer()
+    state.ledger.add_logical(fp32_allreduce_bytes(tensor.numel(), dist.get_world_size(state.group)))
+    return state.ledger.all_reduce(tensor, group=state.group, async_op=True)
+
+
 class SyncStrategy(GradsyncStrategy):
     """Synchronous data parallel: every step all ranks apply the mean of all ranks' gradients."""
 
     strategy_name = "sync"
 
+    #: True once :meth:`build_comm_hook` chose the summing hook: then backward divides the loss by N.
+    _mean_in_loss = False
+
     def build_comm_hook(self) -> Optional[tuple[Any, Callable]]:
-        return AllReduceState(ledger=self.ledger), allreduce_hook
+        self._mean_in_loss = True
+        return AllReduceState(ledger=self.ledger), allreduce_sum_hook
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # d(loss/N) = grad/N: the mean's division rides on the backward pass (exact for N a power
+        # of two, within rounding otherwise) and the hook only sums.
+        if self._mean_in_loss and self.world_size > 1:
+            closure_loss = closure_loss / self.world_size
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
