@@ -66,7 +66,7 @@ def one_run(strategy_name: str, num_params: int, steps: int, batch: int, tmp: Pa
 
 
 def run(out: Path, quick: bool = False) -> Report:
-    num_params, steps, pairs, batch = (200_000, 10, 2, 16) if quick else (25_000_000, 25, 7, 32)
+    num_params, steps, pairs, batch = (200_000, 10, 2, 16) if quick else (25_000_000, 40, 9, 32)
     torch.set_num_threads(1)  # before any parallel work: the runs fork this process
     ratios, rows = [], []
     with tempfile.TemporaryDirectory() as tmp:
