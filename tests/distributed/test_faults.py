@@ -52,3 +52,15 @@ def test_stop_names_the_step_on_every_rank(tmp_path):
     with pytest.raises(Exception, match=re.escape(f"non-finite gradient (NaN/Inf) at optimizer step {BAD_STEP}")):
         fit(model(), DigitsData(batch_size=8), strategy=SyncStrategy(nonfinite_grads="stop"), devices=2,
             max_steps=8, out=tmp_path)
+
+
+def test_async_ps_drops_only_the_bad_push(tmp_path):
+    from gradsync.strategies import AsyncPSStrategy
+
+    ranks = fit(model(), DigitsData(batch_size=8), strategy=AsyncPSStrategy(max_staleness=2, nonfinite_grads="skip"),
+                devices=2, max_steps=8, out=tmp_path)
+    for r in ranks:
+        assert r["global_step"] == 8 and all(torch.isfinite(v).all() for v in r["params"].values())
+    assert max_abs_diff(ranks[0]["params"], ranks[1]["params"]) == 0.0  # both end with the server's model
+    # asynchronous: only the worker with the NaN drops its push; the other's gradients all count
+    assert [r["skipped"] for r in ranks] == [[], [BAD_STEP]]
