@@ -45,8 +45,8 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         ("wall time", f"{_fmt(summary.get('wall_seconds'))} s"),
         ("samples/s", _fmt(summary.get("samples_per_second"))),
     ]
-    ps = (summary.get("strategy_stats") or {}) if summary.get("strategy") == "async_ps" else {}
-    if ps.get("staleness"):
+    ps = summary.get("strategy_stats") or {}
+    if ps.get("staleness"):  # strategies with stale gradients (async_ps)
         hist = " ".join(f"{k}:{v}" for k, v in ps["staleness"].items())
         rows += [
             ("server updates", f"{_fmt(ps.get('server_updates'))} ({_fmt(ps.get('gradients_per_update'))} gradients each)"),

@@ -150,7 +150,6 @@ class AsyncPSStrategy(GradsyncStrategy):
             raise GradsyncError(f"async_ps runs one server optimizer; this module configures {len(self.optimizers)} "
                                 "optimizers. Use one optimizer or --strategy sync")
         world = self.world_size
-        self.check_world_size(world)
         module = self.lightning_module
         params = [p for p in module.parameters() if p.requires_grad]
         check(self.num_servers <= len(params), "num_servers", self.num_servers,

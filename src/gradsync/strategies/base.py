@@ -165,6 +165,7 @@ class GradsyncStrategy(DDPStrategy):
               f"cannot be combined with gradient accumulation ({accumulation} micro-batches per step)",
               "drop static_graph, or use a global batch without accumulation")
         self.accumulation_steps = accumulation
+        self.check_world_size(self.world_size)
         super().setup(trainer)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -24,11 +24,8 @@ def allreduce_hook(state: AllReduceState, bucket: dist.GradBucket) -> torch.futu
 
     Numerically the same as DDP's built-in reduction (divide by N, then sum).
     """
-    tensor = bucket.buffer()
-    world = dist.get_world_size(state.group)
-    state.ledger.add_logical(fp32_allreduce_bytes(tensor.numel(), world))
-    tensor.div_(world)
-    return state.ledger.all_reduce(tensor, group=state.group, async_op=True)
+    bucket.buffer().div_(dist.get_world_size(state.group))
+    return allreduce_sum_hook(state, bucket)
 
 
 def allreduce_sum_hook(state: AllReduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
