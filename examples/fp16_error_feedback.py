@@ -6,8 +6,11 @@ many steps nothing is lost, only delayed. It halves the bytes of ``sync`` (compr
 
 Two parts, as in gradsync itself:
 
-* the **codec** — a DDP communication hook ``fp16_ef_hook(state, bucket) -> Future[Tensor]`` and
-  its state class, in pure torch (usable on any ``DistributedDataParallel`` model);
+* the **codec** — a :class:`gradsync.comm.reducer.Reducer` in pure torch: the mean of a list of
+  tensors across a process group, written as a generator that yields the Future of each
+  collective. Wrapped in :class:`gradsync.comm.error_feedback.ErrorFeedback` it keeps each rank's
+  rounding error per parameter name. The same reducer serves DDP gradient buckets (through
+  :func:`gradsync.comm.ddp.reducer_hook`) and any strategy's rounds;
 * the **strategy** — a ``GradsyncStrategy`` subclass that builds the hook, puts the residuals in
   the checkpoint, and registers itself with Lightning under the name ``fp16_ef``.
 
@@ -21,61 +24,44 @@ Use it from plain Lightning code::
 The test suite runs this file (tests/docs/test_examples.py) on two gloo processes.
 """
 
-# No `from __future__ import annotations`: DDP checks a hook's annotations at runtime.
-from dataclasses import dataclass, field
+from __future__ import annotations
+
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.strategies import StrategyRegistry
 
+from gradsync.comm.codecs.common import unflatten
+from gradsync.comm.ddp import ReducerHookState, reducer_hook
+from gradsync.comm.error_feedback import ErrorFeedback
+from gradsync.comm.reducer import Reducer
 from gradsync.errors import check
 from gradsync.strategies import GradsyncStrategy
-from gradsync.strategies.codecs.common import CodecState, ParamStore
-from gradsync.strategies.ledger import fp32_allreduce_bytes
 
 
 # ---- the codec: pure torch ---------------------------------------------------------------------
-@dataclass
-class Fp16EFState(CodecState):
-    """State of :func:`fp16_ef_hook`. The fields are what users tune; residuals are runtime state."""
+class ScaledFp16Reducer(Reducer):
+    """The mean of tensors as float16 on the wire, scaled first so that tiny values survive the cast."""
 
-    gradient_scale: float = 1.0
-    error_feedback: bool = True
-    # Kept per parameter name, not per bucket: DDP rebuilds its buckets after the first step.
-    residuals: ParamStore = field(default_factory=ParamStore, repr=False)
+    codec = "scaled_fp16"
+    lossy = True  # the mean is approximate: ErrorFeedback may wrap it
 
-    def state_dict(self) -> dict:
-        return {"residuals": self.residuals.state_dict()}
+    def __init__(self, *, gradient_scale: float = 1.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.gradient_scale = float(gradient_scale)
 
-    def load_state_dict(self, state: dict) -> None:
-        self.residuals.load_state_dict(state.get("residuals", {}))
-
-    def runtime_state_names(self) -> list:
-        return ["residuals"] if self.error_feedback else []
-
-
-def fp16_ef_hook(state: Fp16EFState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Average a bucket as float16 on the wire, carrying this rank's rounding error to the next step."""
-    buffer = bucket.buffer()
-    world = state.world_size()
-    # What fp32 sync DDP would have sent for this bucket: the baseline of compression_ratio.
-    state.ledger.add_logical(fp32_allreduce_bytes(buffer.numel(), world))
-
-    layout = state.bucket_layout(bucket)  # the model's parameter order, whatever DDP's bucket order
-    x = layout.gather(buffer).div_(world).mul_(state.gradient_scale)  # divide first: the sum cannot overflow
-    if state.error_feedback:
-        x += state.residuals.gather(layout.keys, x)
-    sent = x.to(torch.float16)
-    if state.error_feedback:
-        state.residuals.scatter(layout.keys, x - sent.to(torch.float32))
-
-    def decode(fut: torch.futures.Future) -> torch.Tensor:
-        layout.scatter(fut.value().to(torch.float32).div_(state.gradient_scale), buffer)
-        return buffer
-
-    # The ledger issues the all-reduce and records its wire bytes: 2(N-1)/N * 2 bytes per entry.
-    return state.ledger.all_reduce(sent, group=state.group, async_op=True).then(decode)
+    def run(self, tensors, names, sync):
+        world = self.world_size()
+        # divide first: the sum of N values cannot overflow
+        x = torch.cat([t.reshape(-1).to(torch.float32) for t in tensors]).div_(world).mul_(self.gradient_scale)
+        wire = x.to(torch.float16)
+        # what this rank's contribution decodes to, in its input's units (error feedback keeps input - sent)
+        sent = unflatten(wire.to(torch.float32).div_(self.gradient_scale).mul_(world), tensors) \
+            if self.need_sent else None
+        # The ledger issues the all-reduce and records its wire bytes: 2(N-1)/N * 2 bytes per entry.
+        # ``yield`` hands the Future back; the reduction resumes when it completes, without blocking anyone.
+        summed = yield self.ledger.all_reduce(wire, **self.account(sync))
+        return unflatten(summed.to(torch.float32).div_(self.gradient_scale), tensors), sent
 
 
 # ---- the strategy --------------------------------------------------------------------------------
@@ -99,26 +85,27 @@ class Fp16EFStrategy(GradsyncStrategy):
         # Stored under the argument's own name: GradsyncStrategy.options reads them back for summaries.
         self.gradient_scale = float(gradient_scale)
         self.error_feedback = bool(error_feedback)
-        self.codec_state: Optional[Fp16EFState] = None
+        self.reducer: Optional[Reducer] = None
 
     def build_comm_hook(self) -> Optional[tuple[Any, Callable]]:
-        # Called once the DDP model exists, on every backend (gloo included).
-        self.codec_state = Fp16EFState(ledger=self.ledger, gradient_scale=self.gradient_scale,
-                                       error_feedback=self.error_feedback)
-        self.codec_state.bind(self.lightning_module.named_parameters())
-        return self.codec_state, fp16_ef_hook
+        # Called once the DDP model exists, on every backend (gloo included). comm_group is
+        # gradsync's own process group: no other collective can come between a reducer's hops.
+        reducer = ScaledFp16Reducer(ledger=self.ledger, group=self.comm_group, gradient_scale=self.gradient_scale)
+        self.reducer = ErrorFeedback(reducer) if self.error_feedback else reducer
+        state = ReducerHookState(self.reducer).bind(self.lightning_module.named_parameters())
+        return state, reducer_hook
 
     # Every rank's part of this goes into the checkpoint and comes back to the same rank on resume.
     def algorithm_state_dict(self) -> dict:
         state = super().algorithm_state_dict()  # keeps the ledger totals
-        if self.codec_state is not None:
-            state["fp16_ef"] = self.codec_state.state_dict()
+        if self.reducer is not None:
+            state["fp16_ef"] = self.reducer.state_dict()
         return state
 
     def load_algorithm_state_dict(self, state: dict) -> None:
         super().load_algorithm_state_dict(state)
-        if self.codec_state is not None and "fp16_ef" in state:
-            self.codec_state.load_state_dict(state["fp16_ef"])
+        if self.reducer is not None and "fp16_ef" in state:
+            self.reducer.load_state_dict(state["fp16_ef"])
 
     # A resume on another number of processes goes through GradsyncStrategy.reshard_algorithm_state,
     # which keeps the ledger and resets the residuals with a warning that names them.

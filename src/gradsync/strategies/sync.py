@@ -1,43 +1,15 @@
 """``sync``: synchronous data parallel (DDP) with a communication ledger."""
 
-# No `from __future__ import annotations` here: DDP checks the hook's annotations at runtime.
-from dataclasses import dataclass
+from __future__ import annotations
+
 from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 
+from gradsync.comm.ddp import AllReduceState, allreduce_hook, allreduce_sum_hook
 from gradsync.strategies.base import GradsyncStrategy
-from gradsync.strategies.ledger import CommLedger, fp32_allreduce_bytes
 
-
-@dataclass
-class AllReduceState:
-    """State of :func:`allreduce_hook`: where to record bytes and which group to use."""
-
-    ledger: CommLedger
-    group: Optional[dist.ProcessGroup] = None
-
-
-def allreduce_hook(state: AllReduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Average a gradient bucket across ranks with one all-reduce, and record it in the ledger.
-
-    Numerically the same as DDP's built-in reduction (divide by N, then sum).
-    """
-    bucket.buffer().div_(dist.get_world_size(state.group))
-    return allreduce_sum_hook(state, bucket)
-
-
-def allreduce_sum_hook(state: AllReduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Sum a gradient bucket across ranks with one all-reduce, and record it in the ledger.
-
-    For gradients that already carry the 1/N of the mean (``sync`` divides the loss by N before
-    backward): this saves the hook's pass over the bucket that :func:`allreduce_hook` spends on
-    dividing — the pass DDP's built-in reduction fuses into its copy into the bucket.
-    """
-    tensor = bucket.buffer()
-    state.ledger.add_logical(fp32_allreduce_bytes(tensor.numel(), dist.get_world_size(state.group)))
-    return state.ledger.all_reduce(tensor, group=state.group, async_op=True)
+__all__ = ["AllReduceState", "SyncStrategy", "allreduce_hook", "allreduce_sum_hook"]
 
 
 class SyncStrategy(GradsyncStrategy):

@@ -1,10 +1,12 @@
-"""Gradient codecs: pure torch (no Lightning), testable in isolation.
+"""Gradient codecs as DDP communication hooks: the codec states of ``compressed``, on :mod:`gradsync.comm`.
 
-Each codec is a DDP communication hook ``<codec>_hook(state, bucket) -> Future[Tensor]`` and a
-state class ``<Codec>State`` whose fields are what users tune; runtime state (residuals, random
-generators, PowerSGD matrices) comes back from ``state.state_dict()``. Every collective goes
-through the state's :class:`~gradsync.strategies.ledger.CommLedger`, and each hook adds the fp32
-baseline of its bucket, so ``ledger.compression_ratio`` is the real ratio against sync DDP.
+The codecs themselves live in :mod:`gradsync.comm.codecs` as reducers; this module keeps the
+hook-shaped API of ``compressed``: a state class per codec whose fields are what users tune, and a
+hook ``<codec>_hook(state, bucket) -> Future[Tensor]`` (all of them the bucket adapter
+:func:`gradsync.comm.ddp.reducer_hook`). Runtime state (residuals, random generators, PowerSGD
+matrices) comes back from ``state.state_dict()``. Every collective goes through the state's
+:class:`~gradsync.comm.ledger.CommLedger`, and each bucket adds its fp32 baseline, so
+``ledger.compression_ratio`` is the real ratio against sync DDP.
 
 Use one directly on a plain DDP model::
 
@@ -14,16 +16,184 @@ Use one directly on a plain DDP model::
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar, Iterable, Optional
 
-from gradsync.strategies.codecs.bf16 import Bf16State, bf16_hook
-from gradsync.strategies.codecs.common import CodecState
-from gradsync.strategies.codecs.fp16 import Fp16State, fp16_hook
-from gradsync.strategies.codecs.identity import IdentityState, identity_hook
-from gradsync.strategies.codecs.int8 import Int8State, int8_hook
-from gradsync.strategies.codecs.powersgd import PowerSGDState, powersgd_hook
-from gradsync.strategies.codecs.sign import SignState, sign_hook
-from gradsync.strategies.codecs.topk import TopKState, topk_hook
+import torch.distributed as dist
+
+from gradsync.comm import build_reducer
+from gradsync.comm.codecs import int8, powersgd, sign, topk  # noqa: F401 - the codecs' functions, by module
+from gradsync.comm.codecs.common import ParamStore
+from gradsync.comm.ddp import name_parameters, reducer_hook
+from gradsync.comm.error_feedback import ErrorFeedback
+from gradsync.comm.ledger import CommLedger
+from gradsync.comm.reducer import Reducer
+
+
+@dataclass
+class CodecState:
+    """Base of every codec's hook state: the ledger, the group, the parameters' names, the reducer."""
+
+    codec: ClassVar[str] = "identity"
+    ledger: CommLedger = field(default_factory=CommLedger, repr=False)
+    group: Optional[dist.ProcessGroup] = field(default=None, repr=False)
+    #: id(parameter) -> (position, name) in the model; set by :meth:`bind`.
+    param_names: dict = field(default_factory=dict, repr=False, compare=False)
+    num_steps: int = field(default=0, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.reducer: Reducer = build_reducer(self.codec, ledger=self.ledger, group=self.group,
+                                              **self.codec_options())
+
+    def codec_options(self) -> dict:
+        return {}
+
+    def bind(self, named_parameters: Iterable) -> "CodecState":
+        """Name the model's parameters so per-parameter state survives bucket rebuilds and resume."""
+        self.param_names = name_parameters(named_parameters)
+        return self
+
+    def state_dict(self) -> dict:
+        """This rank's runtime state (CPU tensors)."""
+        return self.reducer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.reducer.load_state_dict(state)
+
+    def runtime_state_names(self) -> list[str]:
+        return self.reducer.runtime_state_names()
+
+    # ---- the reducer's state, by the names codec users know ------------------------------------
+    def _feedback(self) -> ParamStore:
+        return self.reducer.residuals if isinstance(self.reducer, ErrorFeedback) else ParamStore()
+
+    def _inner(self) -> Reducer:
+        return self.reducer.inner if isinstance(self.reducer, ErrorFeedback) else self.reducer
+
+
+@dataclass
+class IdentityState(CodecState):
+    """State of :func:`identity_hook`: nothing to tune, nothing kept between steps."""
+
+    codec: ClassVar[str] = "identity"
+
+
+@dataclass
+class Fp16State(CodecState):
+    """State of :func:`fp16_hook`: nothing to tune, nothing kept between steps."""
+
+    codec: ClassVar[str] = "fp16"
+
+
+@dataclass
+class Bf16State(CodecState):
+    """State of :func:`bf16_hook`: nothing to tune, nothing kept between steps."""
+
+    codec: ClassVar[str] = "bf16"
+
+
+@dataclass
+class Int8State(CodecState):
+    """State of :func:`int8_hook`.
+
+    Args:
+        chunk_size: entries that share one scale, >= 8.
+        seed: seed of the rounding noise; each rank draws from ``seed + rank``.
+    """
+
+    codec: ClassVar[str] = "int8"
+    chunk_size: int = 512
+    seed: int = 0
+
+    def codec_options(self) -> dict:
+        return {"chunk_size": self.chunk_size, "seed": self.seed}
+
+
+@dataclass
+class Int4State(Int8State):
+    """State of :func:`int4_hook` (4-bit integers; options as :class:`Int8State`)."""
+
+    codec: ClassVar[str] = "int4"
+
+
+@dataclass
+class SignState(CodecState):
+    """State of :func:`sign_hook`.
+
+    Args:
+        chunk_size: entries that share one scale, a multiple of 8.
+        error_feedback: keep worker and reducer residuals (strongly recommended).
+    """
+
+    codec: ClassVar[str] = "sign"
+    chunk_size: int = 512
+    error_feedback: bool = True
+
+    def codec_options(self) -> dict:
+        return {"chunk_size": self.chunk_size, "error_feedback": self.error_feedback}
+
+    @property
+    def worker_residuals(self) -> ParamStore:
+        return self._feedback()
+
+    @property
+    def reducer_residuals(self) -> ParamStore:
+        return self._inner().reducer_residuals
+
+
+@dataclass
+class TopKState(CodecState):
+    """State of :func:`topk_hook`.
+
+    Args:
+        fraction: share of each bucket's entries sent per step, in (0, 1].
+        error_feedback: keep what was not sent and add it next step (needed for convergence).
+    """
+
+    codec: ClassVar[str] = "topk"
+    fraction: float = 0.01
+    error_feedback: bool = True
+
+    def codec_options(self) -> dict:
+        return {"fraction": self.fraction, "error_feedback": self.error_feedback}
+
+    @property
+    def residuals(self) -> ParamStore:
+        return self._feedback()
+
+
+@dataclass
+class PowerSGDState(CodecState):
+    """State of :func:`powersgd_hook`.
+
+    Args:
+        rank: rank r of the approximation, >= 1.
+        error_feedback: keep what the approximation missed and add it next step.
+        warm_start: start each step's power iteration from last step's Q.
+        seed: seed of the initial Q matrices; the same on every rank.
+    """
+
+    codec: ClassVar[str] = "powersgd"
+    rank: int = 4
+    error_feedback: bool = True
+    warm_start: bool = True
+    seed: int = 0
+
+    def codec_options(self) -> dict:
+        return {"rank": self.rank, "error_feedback": self.error_feedback, "warm_start": self.warm_start,
+                "seed": self.seed}
+
+    @property
+    def errors(self) -> ParamStore:
+        return self._feedback()
+
+    @property
+    def qs(self) -> dict:
+        return self._inner().qs
+
+
+# One adapter serves every codec; the names say which state each is meant for.
+identity_hook = fp16_hook = bf16_hook = int8_hook = int4_hook = sign_hook = topk_hook = powersgd_hook = reducer_hook
 
 #: Codec name -> (state class, hook). The ``compressed`` strategy's ``codec`` option chooses one.
 CODECS: dict[str, tuple[type[CodecState], Callable]] = {
@@ -31,13 +201,16 @@ CODECS: dict[str, tuple[type[CodecState], Callable]] = {
     "fp16": (Fp16State, fp16_hook),
     "bf16": (Bf16State, bf16_hook),
     "int8": (Int8State, int8_hook),
+    "int4": (Int4State, int4_hook),
     "sign": (SignState, sign_hook),
     "topk": (TopKState, topk_hook),
     "powersgd": (PowerSGDState, powersgd_hook),
 }
 
 __all__ = [
-    "CODECS", "Bf16State", "CodecState", "Fp16State", "IdentityState", "Int8State", "PowerSGDState",
-    "SignState", "TopKState", "bf16_hook", "fp16_hook", "identity_hook", "int8_hook", "powersgd_hook",
+    "CODECS", "Bf16State", "CodecState", "Fp16State", "IdentityState", "Int4State", "Int8State", "PowerSGDState",
+    "SignState", "TopKState", "bf16_hook", "fp16_hook", "identity_hook", "int4_hook", "int8_hook", "powersgd_hook",
     "sign_hook", "topk_hook",
 ]
+
+

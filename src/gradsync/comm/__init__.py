@@ -1,0 +1,87 @@
+"""``gradsync.comm``: how bytes move. Pure torch, no Lightning.
+
+* :mod:`~gradsync.comm.ledger` — what every collective costs on the wire, by scope and purpose;
+* :mod:`~gradsync.comm.reducer` and :mod:`~gradsync.comm.codecs` — the mean of a list of tensors
+  across a process group, one reducer per codec (fp32, fp16, bf16, int8, int4, sign, top-k,
+  PowerSGD), each returning a Future and never blocking its caller;
+* :mod:`~gradsync.comm.error_feedback` — error feedback as a wrapper around any lossy reducer;
+* :mod:`~gradsync.comm.ddp` — the DDP bucket adapter, the only code that knows ``GradBucket``;
+* :mod:`~gradsync.comm.topology` — the world, intra-node and inter-node process groups.
+
+Strategies (:mod:`gradsync.strategies`) decide *when* to communicate; this package decides *how*.
+A codec is written once and serves DDP buckets, DiLoCo pseudo-gradients, local-SGD parameters and
+node-scoped rounds alike::
+
+    reducer = build_reducer("int8", ledger=ledger, group=group, error_feedback=True)
+    means = reducer.reduce(tensors, names=names).wait()
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from gradsync.comm.codecs import (
+    Bf16Reducer, Fp16Reducer, Int4Reducer, Int8Reducer, PowerSGDReducer, SignReducer, TopKReducer,
+)
+from gradsync.comm.error_feedback import ErrorFeedback
+from gradsync.comm.ledger import CommLedger, fp32_allreduce_bytes, wire_bytes
+from gradsync.comm.reducer import IdentityReducer, Reducer
+from gradsync.errors import check
+
+#: Codec name -> reducer class. ``--strategy.codec NAME`` chooses one.
+REDUCERS: dict[str, type[Reducer]] = {
+    "identity": IdentityReducer,
+    "fp16": Fp16Reducer,
+    "bf16": Bf16Reducer,
+    "int8": Int8Reducer,
+    "int4": Int4Reducer,
+    "sign": SignReducer,
+    "topk": TopKReducer,
+    "powersgd": PowerSGDReducer,
+}
+
+#: Codec options: name -> (default, the codecs that read it). Strategies take these as
+#: ``--strategy.<option>`` and refuse one the chosen codec does not read.
+CODEC_OPTIONS: dict[str, tuple[Any, tuple[str, ...]]] = {
+    "chunk_size": (512, ("int8", "int4", "sign")),
+    "fraction": (0.01, ("topk",)),
+    "rank": (4, ("powersgd",)),
+    "warm_start": (True, ("powersgd",)),
+    "seed": (0, ("int8", "int4", "powersgd")),
+}
+
+LOSSY: tuple[str, ...] = tuple(name for name, cls in REDUCERS.items() if cls.lossy)
+
+
+def check_codec_options(codec: str, given: dict[str, Any], *, flag: str = "--strategy") -> None:
+    """Refuse an unknown codec, or an option given a non-default value that ``codec`` does not read."""
+    check(codec in REDUCERS, "codec", codec, f"must be one of {', '.join(REDUCERS)}", f"e.g. {flag}.codec int8")
+    for option, value in given.items():
+        default, users = CODEC_OPTIONS[option]
+        check(value == default or codec in users, option, value,
+              f"is not used by codec {codec} (only by {', '.join(users)})",
+              f"drop {flag}.{option} or choose {flag}.codec {users[0]}")
+
+
+def build_reducer(codec: str, *, ledger: Optional[CommLedger] = None, group: Optional[dist.ProcessGroup] = None,
+                  scope: str = "world", error_feedback: bool = False, **options: Any) -> Reducer:
+    """The reducer of ``codec`` (options it does not read are ignored), wrapped in error feedback on request.
+
+    ``error_feedback`` applies to lossy codecs only; for ``sign`` it also turns on the reducer-side
+    residual of its second hop.
+    """
+    check(codec in REDUCERS, "codec", codec, f"must be one of {', '.join(REDUCERS)}", "e.g. --strategy.codec int8")
+    cls = REDUCERS[codec]
+    kwargs = {k: v for k, v in options.items() if k in CODEC_OPTIONS and codec in CODEC_OPTIONS[k][1]}
+    if codec == "sign":
+        kwargs["reducer_feedback"] = bool(error_feedback)
+    reducer = cls(ledger=ledger, group=group, scope=scope, **kwargs)
+    if error_feedback and cls.lossy:
+        return ErrorFeedback(reducer)
+    return reducer
+
+
+__all__ = ["CODEC_OPTIONS", "LOSSY", "REDUCERS", "CommLedger", "ErrorFeedback", "Reducer", "build_reducer",
+           "check_codec_options", "fp32_allreduce_bytes", "wire_bytes"]

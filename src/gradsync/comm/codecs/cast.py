@@ -1,0 +1,50 @@
+"""``fp16`` and ``bf16``: cast to half precision, all-reduce, cast back.
+
+Bytes: 2(N-1)/N x 2 bytes per entry (compression ratio 2).
+
+* ``fp16`` keeps 11 significant bits and a range of about 6e-8 .. 65504: entries below ~6e-8
+  flush to zero and entries above overflow. Use it when values are well scaled (most fp32
+  training); the same as torch's ``default_hooks.fp16_compress_hook``.
+* ``bf16`` keeps fp32's range (no overflow, no flush to zero) with 8 significant bits, ~0.4%
+  relative error per entry. It works on gloo as well as NCCL (torch's ``bf16_compress_hook``
+  refuses gloo).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Hashable
+
+import torch
+
+from gradsync.comm.codecs.common import flatten, unflatten
+from gradsync.comm.futures import Reduction
+from gradsync.comm.reducer import Reducer
+
+
+class CastReducer(Reducer):
+    """Mean computed in a narrower float type on the wire."""
+
+    lossy = True
+    wire_dtype: ClassVar[torch.dtype] = torch.float16
+
+    def run(self, tensors: list[torch.Tensor], names: list[str], sync: Hashable) -> Reduction:
+        world = self.world_size()
+        flat = flatten(tensors)
+        wire = flat.to(self.wire_dtype).div_(world)
+        sent = unflatten(wire.to(torch.float32).mul_(world), tensors) if self.need_sent else None
+        summed = yield self.ledger.all_reduce(wire, **self.account(sync))
+        return unflatten(summed.to(torch.float32), tensors), sent
+
+
+class Fp16Reducer(CastReducer):
+    """``fp16``: IEEE half precision on the wire (2x fewer bytes)."""
+
+    codec = "fp16"
+    wire_dtype = torch.float16
+
+
+class Bf16Reducer(CastReducer):
+    """``bf16``: bfloat16 on the wire (2x fewer bytes, fp32's range)."""
+
+    codec = "bf16"
+    wire_dtype = torch.bfloat16

@@ -1,0 +1,83 @@
+"""``topk``: send only the largest ``fraction`` of entries, as (index, value) pairs.
+
+Each rank keeps the k = ceil(fraction * n) entries of its input of largest magnitude and sends
+them as int32 indices plus float32 values (divided by N) through one all-gather; every rank
+scatter-adds all N sparse parts in rank order, so all ranks get identical means. With error
+feedback (:class:`~gradsync.comm.error_feedback.ErrorFeedback`, on by default) what was not sent
+stays in the residual and is sent once it has grown large enough (Lin et al., "Deep Gradient
+Compression", ICLR 2018; Stich et al., "Sparsified SGD with Memory", NeurIPS 2018).
+
+Bytes for n entries: (N-1) x 8k, against 2(N-1)/N x 4n for fp32 — a ratio of 1 / (N fraction):
+50x at the default 1% on 2 ranks, 12.5x on 8. All-gathered sparse vectors grow with N, so top-k
+suits few ranks and slow links; for many ranks prefer ``sign`` or ``powersgd``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Hashable
+
+import torch
+
+from gradsync.comm.codecs.common import flatten, unflatten
+from gradsync.comm.futures import Reduction
+from gradsync.comm.reducer import Reducer
+from gradsync.errors import check
+
+
+def num_kept(numel: int, fraction: float) -> int:
+    return min(numel, max(1, math.ceil(fraction * numel)))
+
+
+def compress(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices (int32) and values of the ``k`` entries of ``x`` with the largest magnitude."""
+    check(x.numel() < 2**31, "message numel", x.numel(), "must be < 2^31 for int32 indices",
+          "lower --strategy.bucket_cap_mb")
+    _, idx = torch.topk(x.abs(), k, sorted=False)
+    return idx.to(torch.int32), x[idx]
+
+
+def decompress(indices: torch.Tensor, values: torch.Tensor, numel: int) -> torch.Tensor:
+    out = torch.zeros(numel, dtype=torch.float32, device=values.device)
+    out[indices.long()] = values.to(torch.float32)
+    return out
+
+
+class TopKReducer(Reducer):
+    """``topk``: every rank's largest entries, one all-gather of index/value pairs."""
+
+    codec = "topk"
+    lossy = True
+
+    def __init__(self, *, fraction: float = 0.01, **kwargs) -> None:
+        """
+        Args:
+            fraction: share of the entries sent per reduction, in (0, 1]. 0.01 is Deep Gradient
+                Compression's working point; raise it if accuracy lags, lower it on very slow links.
+        """
+        check(0 < fraction <= 1, "fraction", fraction, "must be in (0, 1]",
+              "e.g. --strategy.fraction 0.01 sends 1% of the entries")
+        super().__init__(**kwargs)
+        self.fraction = float(fraction)
+
+    def options(self) -> dict:
+        return {"fraction": self.fraction}
+
+    def run(self, tensors: list[torch.Tensor], names: list[str], sync: Hashable) -> Reduction:
+        world = self.world_size()
+        flat = flatten(tensors)
+        n = flat.numel()
+        k = num_kept(n, self.fraction)
+        idx, vals = compress(flat, k)
+        sent = None
+        if self.need_sent:
+            sent = unflatten(decompress(idx, vals, n), tensors)
+        # One message of 2k int32 words: the indices, then the values' bits (already divided by N).
+        send = torch.cat([idx, vals.to(torch.float32).div_(world).view(torch.int32)])
+        gathered = torch.empty(world * 2 * k, dtype=torch.int32, device=flat.device)
+        gathered = yield self.ledger.all_gather_single(gathered, send, **self.account(sync))
+        out = torch.zeros(n, dtype=torch.float32, device=flat.device)
+        # Rank by rank: indices are unique within a rank, so each index_add_ is deterministic.
+        for part in gathered.view(world, 2 * k).unbind(0):
+            out.index_add_(0, part[:k].long(), part[k:].view(torch.float32))
+        return unflatten(out, tensors), sent

@@ -1,0 +1,171 @@
+"""The DDP bucket adapter: the only code in gradsync that knows DDP's ``GradBucket``.
+
+A DDP communication hook is ``hook(state, bucket) -> Future[Tensor]`` (torch's
+``ddp_comm_hooks``). :func:`reducer_hook` turns any :class:`~gradsync.comm.reducer.Reducer` into
+one: it cuts the bucket's flat buffer into one view per parameter, in the model's own order,
+names each by its parameter name, asks the reducer for the mean, and writes the mean back into the
+bucket when it arrives. It returns at once, so compression and the later hops of a multi-hop codec
+overlap the rest of backward.
+
+Parameters are presented in *canonical* (model) order, not bucket order: DDP's first iteration
+uses buckets in the reverse of registration order and then rebuilds them in the order gradients
+became ready (and does so again after every resume, since the DDP wrapper is new); chunk scales,
+shards and random draws then do not depend on that order, and a resumed run compresses exactly
+like the uninterrupted one.
+
+Also here: the plain hooks of ``sync`` (one fp32 all-reduce per bucket, recorded in the ledger)
+and of local steps (no communication at all).
+
+Use a reducer directly on a plain DDP model::
+
+    reducer = build_reducer("int8", ledger=CommLedger(world_size=dist.get_world_size()))
+    ddp_model.register_comm_hook(ReducerHookState(reducer).bind(model.named_parameters()), reducer_hook)
+"""
+
+# No `from __future__ import annotations`: DDP checks a hook's annotations at runtime.
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from gradsync.comm.futures import completed
+from gradsync.comm.ledger import CommLedger, fp32_allreduce_bytes
+from gradsync.comm.reducer import Reducer
+
+
+@dataclass
+class BucketLayout:
+    """A bucket's parameters in the model's own order, with where each sits in the bucket buffer."""
+
+    keys: list  # (name, numel), canonical order
+    offsets: list  # offset of each in the bucket buffer
+    shapes: list
+
+    def views(self, buffer: torch.Tensor) -> list:
+        """One view of the buffer per parameter, shaped like it, in canonical order."""
+        return [buffer[o:o + n].view(s) for o, (_, n), s in zip(self.offsets, self.keys, self.shapes)]
+
+    def gather(self, buffer: torch.Tensor) -> torch.Tensor:
+        """The buffer's entries in canonical order, as a new float32 vector."""
+        parts = [buffer[o:o + n] for o, (_, n) in zip(self.offsets, self.keys)]
+        return torch.cat(parts).to(torch.float32) if parts else buffer.new_zeros(0, dtype=torch.float32)
+
+    def scatter(self, flat: torch.Tensor, buffer: torch.Tensor) -> None:
+        """Write a canonical-order vector back into the bucket buffer."""
+        pos = 0
+        for o, (_, n) in zip(self.offsets, self.keys):
+            buffer[o:o + n].copy_(flat[pos:pos + n])
+            pos += n
+
+
+def name_parameters(named_parameters: Iterable) -> dict:
+    """id(parameter) -> (position, name), the canonical order of :func:`bucket_layout`."""
+    return {id(p): (i, name) for i, (name, p) in enumerate(named_parameters)}
+
+
+def bucket_layout(bucket: dist.GradBucket, param_names: dict) -> BucketLayout:
+    """The bucket's parameters in canonical (model) order; unnamed ones keep bucket order, last."""
+    entries, offset = [], 0
+    for i, p in enumerate(bucket.parameters()):
+        order, name = param_names.get(id(p), ((1 << 40) + i, f"bucket{bucket.index()}.{i}"))
+        entries.append((order, name, p.numel(), offset, p.shape))
+        offset += p.numel()
+    entries.sort(key=lambda e: e[0])
+    return BucketLayout(keys=[(e[1], e[2]) for e in entries], offsets=[e[3] for e in entries],
+                        shapes=[e[4] for e in entries])
+
+
+def reduce_bucket(reducer: Reducer, bucket: dist.GradBucket, param_names: dict, *,
+                  sync: Optional[object] = None) -> torch.futures.Future:
+    """Average ``bucket`` through ``reducer`` without blocking; a Future of the bucket buffer.
+
+    Adds the bucket's fp32 all-reduce to the ledger's logical bytes (what sync DDP would send).
+    """
+    buffer = bucket.buffer()
+    reducer.ledger.add_logical(fp32_allreduce_bytes(buffer.numel(), reducer.world_size()), scope=reducer.scope)
+    layout = bucket_layout(bucket, param_names)
+    views = layout.views(buffer)
+    fut = reducer.reduce(views, names=[name for name, _ in layout.keys], sync=sync)
+
+    def write_back(f: torch.futures.Future) -> torch.Tensor:
+        for view, mean in zip(views, f.value()):
+            view.copy_(mean)
+        return buffer
+
+    return fut.then(write_back)
+
+
+@dataclass
+class ReducerHookState:
+    """State of :func:`reducer_hook`: the reducer, the parameters' names, the step count, the warm-up."""
+
+    reducer: Reducer
+    param_names: dict = field(default_factory=dict, repr=False)
+    #: Optimizer steps whose gradients went through this hook (the last bucket of a step counts it).
+    num_steps: int = 0
+    #: Reducer of the first ``warmup_steps`` steps (e.g. exact fp32 before PowerSGD starts).
+    warmup: Optional[Reducer] = None
+    warmup_steps: int = 0
+
+    def bind(self, named_parameters: Iterable) -> "ReducerHookState":
+        """Name the model's parameters so per-name state survives bucket rebuilds and resume."""
+        self.param_names = name_parameters(named_parameters)
+        return self
+
+
+def reducer_hook(state: ReducerHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average each gradient bucket through ``state.reducer`` (all buckets of a step are one sync).
+
+    During the first ``state.warmup_steps`` optimizer steps, through ``state.warmup`` instead.
+    """
+    warmup = getattr(state, "warmup", None)
+    in_warmup = warmup is not None and state.num_steps < getattr(state, "warmup_steps", 0)
+    reducer = warmup if in_warmup else state.reducer
+    fut = reduce_bucket(reducer, bucket, state.param_names, sync=("step", state.num_steps))
+    if bucket.is_last():
+        # DDP launches buckets in index order, so this is the step's final bucket.
+        state.num_steps += 1
+    return fut
+
+
+# ---- the hooks of sync and of local steps ---------------------------------------------------------
+@dataclass
+class AllReduceState:
+    """State of :func:`allreduce_hook`: where to record bytes and which group to use."""
+
+    ledger: CommLedger
+    group: Optional[dist.ProcessGroup] = None
+    scope: str = "world"
+    num_steps: int = 0
+
+
+def allreduce_hook(state: AllReduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average a gradient bucket across ranks with one all-reduce, and record it in the ledger.
+
+    Numerically the same as DDP's built-in reduction (divide by N, then sum).
+    """
+    bucket.buffer().div_(dist.get_world_size(state.group))
+    return allreduce_sum_hook(state, bucket)
+
+
+def allreduce_sum_hook(state: AllReduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Sum a gradient bucket across ranks with one all-reduce, and record it in the ledger.
+
+    For gradients that already carry the 1/N of the mean (``sync`` divides the loss by N before
+    backward): this saves the hook's pass over the bucket that :func:`allreduce_hook` spends on
+    dividing — the pass DDP's built-in reduction fuses into its copy into the bucket.
+    """
+    tensor = bucket.buffer()
+    state.ledger.add_logical(fp32_allreduce_bytes(tensor.numel(), dist.get_world_size(state.group)),
+                             scope=state.scope)
+    fut = state.ledger.all_reduce(tensor, group=state.group, async_op=True, scope=state.scope,
+                                  sync=("step", state.num_steps))
+    if bucket.is_last():
+        state.num_steps += 1
+    return fut
+
+
+def local_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Keep the local gradient: DDP copies the bucket back into the gradients, nothing is sent."""
+    return completed(bucket.buffer())
