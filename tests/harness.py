@@ -30,12 +30,21 @@ class DumpRankState(Callback):
 
     def __init__(self, out: Path) -> None:
         self.out = Path(out)
+        self.start_step, self.batches_run = None, 0
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.start_step = trainer.global_step  # a resumed fit starts at the checkpoint's step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.batches_run += 1
 
     def on_train_end(self, trainer, pl_module) -> None:
         strategy = trainer.strategy
         state = {
             "params": {k: v.detach().clone() for k, v in pl_module.state_dict().items()},
             "global_step": trainer.global_step,
+            "start_step": self.start_step,
+            "batches_run": self.batches_run,
             "ledger": strategy.ledger.summary() if hasattr(strategy, "ledger") else None,
             "algorithm": strategy.algorithm_state_dict() if hasattr(strategy, "algorithm_state_dict") else None,
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
@@ -80,6 +89,15 @@ class ValAccuracy(Callback):
         x, y = trainer.datamodule.val_set.tensors
         acc = (pl_module(x).argmax(1) == y).float().mean().item()
         torch.save(acc, self.out / f"val_acc{trainer.global_rank}.pt")
+
+
+def assert_resumed_at(ranks: list[dict], step: int, end: int, *, micro_batches_per_step: int = 1) -> None:
+    """The resumed fit started at the checkpoint's ``step`` and trained only the steps up to ``end``."""
+    for r in ranks:
+        assert r["start_step"] == step, f"resumed fit started at step {r['start_step']}, not the checkpoint's {step}"
+        assert r["batches_run"] == (end - step) * micro_batches_per_step, \
+            f"resumed fit ran {r['batches_run']} batches, expected {(end - step) * micro_batches_per_step}"
+        assert r["global_step"] == end
 
 
 def digest(tensors) -> str:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from gradsync.cli.main import main
+from gradsync.strategies.parts import read_parts
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -42,7 +43,10 @@ def test_fit_two_processes_writes_summary_and_checkpoint(tmp_path):
     assert comm["compression_ratio"] == 1.0 and comm["collectives"] == 20 and comm["wire_bytes"] > 0
     ckpt = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["global_step"] == 20 and "conv1.weight" in ckpt["state_dict"]
-    assert len(ckpt["gradsync"]["ranks"]) == 2  # every rank's algorithm state, not only rank 0's
+    # every rank's algorithm state, each in its own file next to last.ckpt (none gathered to rank 0)
+    assert "ranks" not in ckpt["gradsync"] and len(read_parts(out / "checkpoints" / "last.ckpt")) == 2
+    assert sorted(p.name.split("-")[0] for p in (out / "checkpoints" / "last.ckpt.ranks").iterdir()) == \
+        ["rank00000", "rank00001"]  # the previous checkpoints' parts were removed
 
 
 def test_fit_accumulate_reports_k(tmp_path):

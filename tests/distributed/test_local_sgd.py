@@ -9,7 +9,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from gradsync.recipes import DigitsClassifier, DigitsData
 from gradsync.strategies import DiLoCoStrategy, LocalSGDStrategy, SyncStrategy
-from harness import ValAccuracy, digest, fit, max_abs_diff
+from gradsync.strategies.parts import read_parts
+from harness import ValAccuracy, assert_resumed_at, digest, fit, max_abs_diff
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -77,9 +78,10 @@ def test_ranks_identical_after_every_round_and_differ_between(tmp_path, strategy
 class CaptureRounds(DiLoCoStrategy):
     """Records every rank's flat parameters just before each round."""
 
-    def _round(self):
-        self.captured = getattr(self, "captured", []) + [self._layout().flatten()[0].clone()]
-        super()._round()
+    def _issue(self, k, s, kind="round"):
+        flat = torch.cat([p.detach().reshape(-1) for p in self._layout().params]).clone()
+        self.captured = getattr(self, "captured", []) + [flat]
+        super()._issue(k, s, kind)
 
     def algorithm_state_dict(self):
         return {**super().algorithm_state_dict(), "captured": getattr(self, "captured", [])}
@@ -99,11 +101,12 @@ def test_diloco_two_rank_outer_nesterov_step_by_hand(tmp_path):
         m = mu * m + delta
         theta = theta - eta * (delta + mu * m)  # Nesterov
     for r in ranks:
-        g = r["algorithm"]["global_params"][0]
+        g = torch.cat([t.reshape(-1) for t in r["algorithm"]["global_params"]])
         assert (g - theta).abs().max() <= 1e-6
         final = torch.cat([r["params"][k].reshape(-1) for k in r["params"]])
         assert torch.equal(final, g)  # every rank restarts from the global parameters
-    mom = ranks[0]["algorithm"]["outer_optimizer"]["state"][0]["momentum_buffer"]
+    outer = ranks[0]["algorithm"]["outer_optimizer"]["state"]
+    mom = torch.cat([outer[i]["momentum_buffer"].reshape(-1) for i in sorted(outer)])
     assert (mom - m).abs().max() <= 1e-6
 
 
@@ -153,11 +156,12 @@ def test_resume_mid_period_equals_uninterrupted(tmp_path, make):
     ckpt = tmp_path / "mid.ckpt"
     full = fit(model(momentum=0.9), DigitsData(batch_size=16), strategy=make(), devices=2, max_steps=steps,
                out=tmp_path / "full", callbacks=(SaveAt(at, ckpt),))
-    parts = torch.load(ckpt, weights_only=False)["gradsync"]["ranks"]
+    parts = read_parts(ckpt)
     assert [p["num_steps"] for p in parts] == [at, at]
     assert max_abs_diff(parts[0]["local_params"], parts[1]["local_params"]) > 0  # really mid-period
     resumed = fit(model(momentum=0.9), DigitsData(batch_size=16), strategy=make(), devices=2,
                   max_steps=steps, out=tmp_path / "resumed", ckpt_path=str(ckpt))
+    assert_resumed_at(resumed, at, steps)
     for a, b in zip(full, resumed):
         assert b["algorithm"]["num_steps"] == steps  # the step counter survived the resume
         diff = max_abs_diff(a["params"], b["params"])
@@ -189,7 +193,7 @@ def test_resume_on_another_world_size_keeps_global_state(tmp_path):
     ckpt_dir = tmp_path / "ckpt"
     fit(model(momentum=0.9), DigitsData(batch_size=16), strategy=DiLoCoStrategy(period=8), devices=2, max_steps=12,
         out=tmp_path / "first", callbacks=(ModelCheckpoint(dirpath=ckpt_dir, filename="mid", every_n_train_steps=12),))
-    saved = torch.load(ckpt_dir / "mid.ckpt", weights_only=False)["gradsync"]["ranks"][0]
+    saved = read_parts(ckpt_dir / "mid.ckpt")[0]
     ranks = fit(model(momentum=0.9), DigitsData(batch_size=16), strategy=DiLoCoStrategy(period=8), devices=3,
                 max_steps=16, out=tmp_path / "resumed", ckpt_path=str(ckpt_dir / "mid.ckpt"),
                 callbacks=(RecordHashes(tmp_path),))

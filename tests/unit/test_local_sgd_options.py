@@ -46,7 +46,9 @@ def test_reshard_keeps_shared_state_averages_local_and_warns():
     g = [torch.arange(3.0)]
     outer = {"state": {0: {"momentum_buffer": torch.ones(3)}}, "param_groups": []}
     parts = [_part(r, global_params=g, outer_optimizer=outer) for r in (0, 1)]
-    parts[1]["pending"] = [torch.zeros(3)]
+    for p in parts:  # an overlapped round in flight: its anchor is this rank's own point
+        p["pending"] = {"fragment": 0, "issued_at": 12, "means": [torch.zeros(3)]}
+    parts[1]["anchor"] = [torch.zeros(3)]
     with pytest.warns(UserWarning) as caught:
         state = DiLoCoStrategy(period=4).reshard_algorithm_state(parts, saved_world_size=2)
     msg = str(caught[0].message)
@@ -57,6 +59,18 @@ def test_reshard_keeps_shared_state_averages_local_and_warns():
     assert torch.equal(state["local_params"]["w"], torch.full((3,), 0.5))
     assert int(state["local_params"]["n"]) == 7
     assert "local_optimizer_states" not in state and state.get("pending") is None
+
+
+def test_reshard_keeps_an_agreed_fragment_in_flight():
+    pending = {"fragment": 1, "issued_at": 10, "means": [torch.ones(3)]}
+    parts = [_part(r, global_params=[torch.zeros(3)], outer_optimizer=None, pending=pending,
+                   reducer={"residuals": {"w": torch.ones(3)}}) for r in (0, 1)]
+    with pytest.warns(UserWarning) as caught:
+        state = DiLoCoStrategy(period=4, fragments=2, sync_delay=1).reshard_algorithm_state(parts, 2)
+    msg = str(caught[0].message)
+    assert "kept num_steps, global_params, outer_optimizer, pending" in msg
+    assert "codec state" in msg  # per-rank error-feedback residuals are reset
+    assert state["pending"] is pending and "reducer" not in state
 
 
 def test_local_sgd_reshard_has_no_global_state():

@@ -8,7 +8,6 @@ the target (``os.replace`` is atomic on POSIX), so a process killed mid-save lea
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -16,26 +15,9 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from gradsync.errors import GradsyncError
+from gradsync.strategies.parts import atomic_torch_save, parts_dir
 
-
-def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename itself durable
-    finally:
-        os.close(dir_fd)
+__all__ = ["AtomicCheckpointIO", "atomic_torch_save", "load_checkpoint_file", "parts_dir"]
 
 
 def load_checkpoint_file(path: str | os.PathLike, map_location: Any = "cpu") -> dict:

@@ -40,11 +40,19 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         ("wire bytes (per rank)", _fmt_exact_bytes(comm.get("wire_bytes"))),
         ("fp32 sync would send", _fmt_exact_bytes(comm.get("logical_bytes"))),
         ("compression ratio", _fmt(comm.get("compression_ratio"))),
+        ("peak bytes in one sync", _fmt_exact_bytes(comm.get("peak_sync_bytes"))),
         ("collectives", _fmt(comm.get("collectives"))),
         ("communication time", _comm_time(comm.get("seconds"), summary.get("train_seconds"))),
         ("wall time", f"{_fmt(summary.get('wall_seconds'))} s"),
         ("samples/s", _fmt(summary.get("samples_per_second"))),
     ]
+    for scope, t in (comm.get("by_scope") or {}).items():
+        rows.append((f"{scope.replace('_', '-')} bytes", f"{_fmt_exact_bytes(t.get('wire_bytes'))}, ratio "
+                     f"{_fmt(t.get('compression_ratio'))}, peak sync {_fmt_bytes(t.get('peak_sync_bytes'))}, "
+                     f"{_fmt(t.get('collectives'))} collectives"))
+    other = comm.get("other") or {}
+    if any((t or {}).get("wire_bytes") for t in other.values()):
+        rows.append(("other traffic", ", ".join(f"{p} {_fmt_bytes(t.get('wire_bytes'))}" for p, t in other.items())))
     ps = summary.get("strategy_stats") or {}
     if ps.get("staleness"):  # strategies with stale gradients (async_ps)
         hist = " ".join(f"{k}:{v}" for k, v in ps["staleness"].items())

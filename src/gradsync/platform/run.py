@@ -185,8 +185,7 @@ class CommMetrics(Callback):
         ledger = getattr(trainer.strategy, "ledger", None)
         if ledger is None:
             return
-        s = ledger.summary()
-        pl_module.log_dict({f"comm/{k}": float(v) for k, v in s.items()}, on_step=True, on_epoch=False,
+        pl_module.log_dict({f"comm/{k}": v for k, v in ledger.metrics().items()}, on_step=True, on_epoch=False,
                            rank_zero_only=True)
 
 

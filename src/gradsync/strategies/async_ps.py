@@ -349,7 +349,7 @@ class AsyncPSStrategy(GradsyncStrategy):
         saved = self._restored_algorithm_state
         if not saved:
             return
-        parts = saved["ranks"]
+        parts = saved.all()  # every shard's server state, whichever rank hosted it
         merged: dict = {"params": {}, "optimizer": {}, "versions": {}, "version": 0}
         shard_count = 0
         for part in parts:

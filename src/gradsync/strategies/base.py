@@ -5,10 +5,14 @@ A gradsync strategy is a real Lightning ``DDPStrategy``: it works in plain Light
 and through the ``gradsync`` CLI. This base adds:
 
 * backend choice (NCCL on CUDA, gloo on CPU) and a process-group timeout;
-* the communication ledger (:mod:`gradsync.strategies.ledger`);
+* the communication ledger (:mod:`gradsync.comm.ledger`), counting training traffic and, apart from
+  it, checkpoint coordination and metric/control traffic;
+* gradsync's own process groups (:mod:`gradsync.comm.topology`), on which reducers run;
 * communication hooks that run on CPU/gloo as well as CUDA/NCCL (Lightning's ``DDPStrategy``
   silently skips ``ddp_comm_hook`` off CUDA; this base never does);
-* checkpointed algorithm state, gathered from *every* rank, restored on resume;
+* checkpointed algorithm state of *every* rank, each rank writing its own part next to the
+  checkpoint (:mod:`gradsync.strategies.parts`; nothing crosses the network but a token and a
+  flag), restored on resume;
 * registration in Lightning's ``StrategyRegistry`` under one short name per strategy.
 
 The constructor's keyword-only arguments are the strategy's configuration: the CLI derives its
@@ -21,6 +25,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import secrets
 import warnings
 from datetime import timedelta
 from typing import Any, Callable, ClassVar, Literal, Optional
@@ -29,8 +34,10 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 
+from gradsync.comm.ledger import CommLedger
+from gradsync.comm.topology import Topology
 from gradsync.errors import GradsyncError, check
-from gradsync.strategies.ledger import CommLedger
+from gradsync.strategies import parts as rank_parts
 
 Backend = Literal["auto", "nccl", "gloo"]
 log = logging.getLogger("gradsync")
@@ -95,7 +102,8 @@ class GradsyncStrategy(DDPStrategy):
         self.accumulation_steps = 1
         self._weight_sum, self._weighted = 0.0, False
         self.skipped_steps: list[int] = []  # optimizer steps skipped for non-finite gradients
-        self._restored_algorithm_state: Optional[dict] = None
+        self._restored_algorithm_state: Optional[rank_parts.SavedParts] = None
+        self.topology: Optional[Topology] = None
 
     # ---- configuration ---------------------------------------------------------------------
     @classmethod
@@ -155,6 +163,21 @@ class GradsyncStrategy(DDPStrategy):
         else:
             super().setup_distributed()
         self.ledger.world_size = self.world_size
+        if dist.is_available() and dist.is_initialized():
+            self.topology = self.build_topology()
+
+    #: True for strategies that synchronize per node (they get intra- and inter-node groups).
+    def wants_node_groups(self) -> bool:
+        return False
+
+    def build_topology(self) -> Topology:
+        """gradsync's process groups for this job (a collective call, made once at set-up)."""
+        return Topology.build(node_groups=self.wants_node_groups(), timeout=self._timeout)
+
+    @property
+    def comm_group(self) -> Optional[dist.ProcessGroup]:
+        """gradsync's own group of every rank, where reducers run (None before set-up)."""
+        return self.topology.world if self.topology is not None else None
 
     # ---- training loop -----------------------------------------------------------------------
     def setup(self, trainer: Any) -> None:
@@ -217,7 +240,7 @@ class GradsyncStrategy(DDPStrategy):
         if self.gradients_synchronized or not (dist.is_available() and dist.is_initialized()) or self.world_size == 1:
             return finite
         flag = torch.tensor([0.0 if finite else 1.0], device=self.root_device)
-        self.ledger.all_reduce(flag)  # 4 bytes: the ranks agree before anyone steps
+        self.ledger.all_reduce(flag, purpose="control")  # 4 bytes: the ranks agree before anyone steps
         return float(flag.item()) == 0.0
 
     def _normalize_weighted_gradients(self, optimizer: Any) -> None:
@@ -231,6 +254,29 @@ class GradsyncStrategy(DDPStrategy):
             for p in group["params"]:
                 if p.grad is not None:
                     p.grad.mul_(scale)
+
+    # ---- Lightning's collectives, counted as control traffic ----------------------------------
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        if isinstance(tensor, torch.Tensor) and self._distributed():
+            self.ledger.record("all_reduce", tensor.numel() * tensor.element_size(), purpose="control")
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if self._distributed():
+            self.ledger.record("all_reduce", 4, purpose="control")  # a barrier moves a token's worth
+        super().barrier(*args, **kwargs)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        out = super().broadcast(obj, src)
+        if self._distributed():
+            import pickle
+
+            self.ledger.record("broadcast", len(pickle.dumps(out)) + 8, is_root=self.global_rank == src,
+                               purpose="control")
+        return out
+
+    def _distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized() and self.world_size > 1
 
     # ---- communication hooks ---------------------------------------------------------------
     def build_comm_hook(self) -> Optional[tuple[Any, Callable]]:
@@ -263,25 +309,59 @@ class GradsyncStrategy(DDPStrategy):
             self.ledger.world_size = world
 
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Optional[Any] = None) -> None:
-        # Every rank reaches here (Trainer.save_checkpoint runs on all ranks); gather each rank's
-        # part so the file holds the whole algorithm state, not only rank 0's.
+        # Every rank reaches here (Trainer.save_checkpoint runs on all ranks). Each writes its own
+        # part of the algorithm state next to the checkpoint; only a token and a flag cross the
+        # network, and rank 0 commits the manifest once every part is on disk (see parts.py).
         local = _to_cpu(self.algorithm_state_dict())
-        if dist.is_available() and dist.is_initialized() and self.world_size > 1:
-            parts: list = [None] * self.world_size
-            dist.all_gather_object(parts, local)
-        else:
-            parts = [local]
-        checkpoint["gradsync"] = {"strategy": self.strategy_name, "world_size": len(parts), "ranks": parts,
-                                  "accumulation_steps": self.accumulation_steps}
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        token = self._checkpoint_token()
+        path = str(filepath)
+        failure = ""
+        try:
+            rank_parts.write_part(path, self.global_rank, token, local)
+        except OSError as exc:
+            failure = f"rank {self.global_rank} could not write its checkpoint part under {rank_parts.parts_dir(path)}: {exc}"
+        if not self._all_ranks_ok(not failure):
+            raise GradsyncError(failure or f"checkpoint {path} not written: another rank could not write its part "
+                                           "(its error is in that rank's log); the previous checkpoint is intact")
+        checkpoint["gradsync"] = {"strategy": self.strategy_name, "world_size": self.world_size, "token": token,
+                                  "parts": rank_parts.parts_dir(path).name,
+                                  "accumulation_steps": self.accumulation_steps, **self.checkpoint_layout()}
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # rank 0 commits
+        # Once the new manifest is in place (rank 0 says so), no manifest names the older parts.
+        if self._all_ranks_ok(True):
+            rank_parts.remove_stale_parts(path, self.global_rank, keep={token})
+
+    def checkpoint_layout(self) -> dict:
+        """Facts about the job a resume needs to reshard (e.g. processes per node); JSON-able."""
+        return {}
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        rank_parts.remove_parts(filepath, self.global_rank)
+        super().remove_checkpoint(filepath)
+
+    def _checkpoint_token(self) -> str:
+        """A fresh token for a save, the same on every rank (8 random bytes from rank 0)."""
+        raw = torch.tensor(list(secrets.token_bytes(8)), dtype=torch.uint8)
+        if self._distributed():
+            raw = raw.to(self.root_device)
+            self.ledger.broadcast(raw, src=0, purpose="checkpoint")
+        return bytes(raw.cpu().tolist()).hex()
+
+    def _all_ranks_ok(self, ok: bool) -> bool:
+        flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
+        if self._distributed():
+            flag = flag.to(self.root_device)
+            self.ledger.all_reduce(flag, purpose="checkpoint")
+        return int(flag.item()) == 0
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         # Applied in configure_ddp, once hooks and their state exist (DDP restores before setup).
-        self._restored_algorithm_state = checkpoint.get("gradsync")
+        manifest = checkpoint.get("gradsync")
+        self._restored_algorithm_state = rank_parts.SavedParts(manifest, checkpoint_path) if manifest else None
         trainer = getattr(self.lightning_module, "_trainer", None) if self.lightning_module is not None else None
-        if self._restored_algorithm_state and trainer is not None:
-            _rescale_micro_batch_progress(checkpoint, int(self._restored_algorithm_state.get("accumulation_steps", 1)),
+        if manifest and trainer is not None:
+            _rescale_micro_batch_progress(checkpoint, int(manifest.get("accumulation_steps", 1)),
                                           int(trainer.accumulate_grad_batches))
         return checkpoint
 
@@ -294,13 +374,16 @@ class GradsyncStrategy(DDPStrategy):
         saved = self._restored_algorithm_state
         if not saved:
             return
-        saved_world = int(saved.get("world_size", 1))
-        if saved_world != self.world_size:
-            state = self.reshard_algorithm_state(saved["ranks"], saved_world)
+        if saved.world_size != self.world_size or not self.same_layout(saved.manifest):
+            state = self.reshard_algorithm_state(saved.all(), saved.world_size)
         else:
-            state = saved["ranks"][self.global_rank]
+            state = saved.part(self.global_rank)
         if state is not None:
             self.load_algorithm_state_dict(state)
+
+    def same_layout(self, manifest: dict) -> bool:
+        """Whether a checkpoint's parts map one to one onto this job's ranks (beyond the world size)."""
+        return True
 
     def reshard_algorithm_state(self, parts: list, saved_world_size: int) -> Optional[dict]:
         """Map state saved on ``saved_world_size`` ranks onto this world size.
