@@ -375,15 +375,15 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
         if k == 0:
             self._average_buffers(sync)
 
-    def _land(self, s: int) -> None:
-        """Apply the fragment in flight: its consensus, blended into the local parameters."""
+    def _land(self, s: int, blend: bool = True) -> None:
+        """Apply the fragment in flight: its consensus, blended into the local parameters (``blend``)."""
         flight = self._flight
         assert flight is not None
         means = self._collect()
         layout = self._layout()
         indices = layout.fragments[flight.fragment]
         common = self._consensus(indices, means)
-        alpha = self.fragment_alpha
+        alpha = self.fragment_alpha if blend else 0.0
         if alpha > 0:
             common = [alpha * local + (1 - alpha) * c.to(local.device)
                       for local, c in zip(layout.values(indices), common)]
@@ -470,8 +470,7 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
         for k in range(self.fragments):
             if k not in self._agreed:
                 self._issue(k, s, "final")
-                self._land(s)
-                self._agreed.add(k)
+                self._land(s, blend=False)  # every rank leaves with the same model, whatever alpha is
 
     # ---- algorithm state -----------------------------------------------------------------------
     def algorithm_state_dict(self) -> dict:
