@@ -100,7 +100,11 @@ def train(name: str, extra: list[str], steps: int, val_every: int, model: list[s
     logs = [p.communicate(timeout=3600)[0] for p in procs]
     if any(p.returncode for p in procs):
         raise RuntimeError(f"{name} failed:\n{logs[0][-2000:]}\n{logs[1][-2000:]}")
-    summary = json.loads((out / "summary.json").read_text())
+    return {"summary": json.loads((out / "summary.json").read_text()), "curve": read_curve(out)}
+
+
+def read_curve(out: Path) -> list[tuple[int, Optional[float], float]]:
+    """(step, wall seconds, val_loss) at every validation of the run written to ``out``."""
     wall_at_step, curve = {}, []
     with open(out / "logs" / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
@@ -111,7 +115,7 @@ def train(name: str, extra: list[str], steps: int, val_every: int, model: list[s
         if r.get("val_loss"):
             step = int(r["step"])
             curve.append((step, wall_at_step.get(step), float(r["val_loss"])))
-    return {"summary": summary, "curve": curve}
+    return curve
 
 
 def run(out: Path, quick: bool = False, rate: str = "") -> Report:

@@ -66,6 +66,24 @@ def test_slowlink(tmp_path):
     assert wire["local_sgd period 8"] < wire["sync"] / 4   # bytes really dropped on the wire
 
 
+def test_lowcomm(tmp_path):
+    from benchmarks import lowcomm
+
+    rep = lowcomm.run(tmp_path, quick=True)
+    if lowcomm.slowlink.available():
+        assert "not run" in rep.notes[0]
+        return
+    data = _check(tmp_path, "lowcomm")
+    assert 5 < data["data"]["measured_mbit"] < 15   # the 10 Mbit/s shaping took effect
+    rows = {r[0]: dict(zip(data["columns"], r)) for r in data["rows"]}
+    assert list(rows) == ["sync", "diloco H=100 int8"]  # (H=4 in the quick run)
+    diloco, sync = rows["diloco H=100 int8"], rows["sync"]
+    # 8 steps: two rounds of int8 pseudo-gradients against 8 fp32 all-reduces, ~4 x 3.97 fewer bytes
+    assert diloco["bytes / step vs sync"] == pytest.approx(4 * 3.97, rel=0.05)
+    assert sync["peak KB / sync"] > 3.9 * diloco["peak KB / sync"]
+    assert all(0 < r["utilization"] for r in rows.values())  # timings are noise here; the full run compares
+
+
 def test_straggler(tmp_path):
     from benchmarks import straggler
 
