@@ -312,9 +312,11 @@ def _option_error_flag(component: str, option: str) -> str:
     return f"--{component}.{option}"
 
 
-def _check_strategy(strategy, world_size: int) -> None:
+def _check_strategy(strategy, world_size: int, num_nodes: int) -> None:
     if hasattr(strategy, "check_world_size"):
         strategy.check_world_size(world_size)
+    if hasattr(strategy, "check_layout"):
+        strategy.check_layout(world_size, num_nodes)
 
 
 def validate_spec(spec) -> None:
@@ -326,7 +328,7 @@ def validate_spec(spec) -> None:
     for component, build in (("model", lambda: spec.model_class(**spec.model_options)),
                              ("data", lambda: spec.data_class(**spec.data_options)),
                              ("strategy", lambda: _check_strategy(build_strategy(spec.strategy, spec.strategy_options),
-                                                                  spec.world_size))):
+                                                                  spec.world_size, spec.num_nodes))):
         try:
             build()
         except OptionError as exc:

@@ -83,7 +83,8 @@ def reduce_bucket(reducer: Reducer, bucket: dist.GradBucket, param_names: dict, 
     Adds the bucket's fp32 all-reduce to the ledger's logical bytes (what sync DDP would send).
     """
     buffer = bucket.buffer()
-    reducer.ledger.add_logical(fp32_allreduce_bytes(buffer.numel(), reducer.world_size()), scope=reducer.scope)
+    reducer.ledger.add_logical(fp32_allreduce_bytes(buffer.numel(), reducer.world_size()),
+                               scope=reducer.logical_scope)
     layout = bucket_layout(bucket, param_names)
     views = layout.views(buffer)
     fut = reducer.reduce(views, names=[name for name, _ in layout.keys], sync=sync)
@@ -138,6 +139,9 @@ class AllReduceState:
     group: Optional[dist.ProcessGroup] = None
     scope: str = "world"
     num_steps: int = 0
+    #: Add what fp32 sync would send to the ledger's logical bytes (off for the intra-node
+    #: all-reduce of node-scoped local steps: their optimizer step accounts the whole job's).
+    logical: bool = True
 
 
 def allreduce_hook(state: AllReduceState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -157,8 +161,9 @@ def allreduce_sum_hook(state: AllReduceState, bucket: dist.GradBucket) -> torch.
     dividing — the pass DDP's built-in reduction fuses into its copy into the bucket.
     """
     tensor = bucket.buffer()
-    state.ledger.add_logical(fp32_allreduce_bytes(tensor.numel(), dist.get_world_size(state.group)),
-                             scope=state.scope)
+    if getattr(state, "logical", True):
+        state.ledger.add_logical(fp32_allreduce_bytes(tensor.numel(), dist.get_world_size(state.group)),
+                                 scope=state.scope)
     fut = state.ledger.all_reduce(tensor, group=state.group, async_op=True, scope=state.scope,
                                   sync=("step", state.num_steps))
     if bucket.is_last():

@@ -52,6 +52,8 @@ class Reducer:
         self.ledger = ledger if ledger is not None else CommLedger()
         self.group = group
         self.scope = scope
+        #: The scope whose ``logical_bytes`` (what flat fp32 sync would send) this reducer's work replaces.
+        self.logical_scope = scope
         #: Set by a wrapper that needs ``sent`` (error feedback); codecs skip the work otherwise.
         self.need_sent = False
 

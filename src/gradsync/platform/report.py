@@ -47,9 +47,10 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         ("samples/s", _fmt(summary.get("samples_per_second"))),
     ]
     for scope, t in (comm.get("by_scope") or {}).items():
-        rows.append((f"{scope.replace('_', '-')} bytes", f"{_fmt_exact_bytes(t.get('wire_bytes'))}, ratio "
-                     f"{_fmt(t.get('compression_ratio'))}, peak sync {_fmt_bytes(t.get('peak_sync_bytes'))}, "
-                     f"{_fmt(t.get('collectives'))} collectives"))
+        # the ratio is against flat fp32 sync, whose bytes are booked to the scope a strategy replaces
+        ratio = f", ratio {_fmt(t.get('compression_ratio'))}" if t.get("logical_bytes") else ""
+        rows.append((f"{scope.replace('_', '-')} bytes", f"{_fmt_exact_bytes(t.get('wire_bytes'))}{ratio}, "
+                     f"peak sync {_fmt_bytes(t.get('peak_sync_bytes'))}, {_fmt(t.get('collectives'))} collectives"))
     other = comm.get("other") or {}
     if any((t or {}).get("wire_bytes") for t in other.values()):
         rows.append(("other traffic", ", ".join(f"{p} {_fmt_bytes(t.get('wire_bytes'))}" for p, t in other.items())))

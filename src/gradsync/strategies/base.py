@@ -35,7 +35,7 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 
 from gradsync.comm.ledger import CommLedger
-from gradsync.comm.topology import Topology
+from gradsync.comm.topology import Topology, launcher_layout
 from gradsync.errors import GradsyncError, check
 from gradsync.strategies import parts as rank_parts
 
@@ -166,13 +166,49 @@ class GradsyncStrategy(DDPStrategy):
         if dist.is_available() and dist.is_initialized():
             self.topology = self.build_topology()
 
-    #: True for strategies that synchronize per node (they get intra- and inter-node groups).
+    # ---- node scope ------------------------------------------------------------------------
+    #: ``world``: every rank alike; ``node``: fast synchronization inside a node, the strategy's
+    #: thrifty one across nodes. Strategies that offer it take ``scope`` and ``procs_per_node``.
+    scope: str = "world"
+    #: Forced layout (ranks 0..K-1 play node 0, ...); None reads it from torchrun / SLURM.
+    procs_per_node: Optional[int] = None
+
+    def _set_scope(self, scope: str, procs_per_node: Optional[int]) -> None:
+        check(scope in ("world", "node"), "scope", scope,
+              "must be world (every rank alike) or node (sync inside a node, the strategy across nodes)",
+              "e.g. --strategy.scope node")
+        check(procs_per_node is None or (isinstance(procs_per_node, int) and not isinstance(procs_per_node, bool)
+                                         and procs_per_node >= 1), "procs_per_node", procs_per_node,
+              "must be an integer >= 1 (processes that play one node)",
+              "omit it to take the layout from torchrun / SLURM")
+        self.scope, self.procs_per_node = scope, procs_per_node
+
+    def check_layout(self, world_size: int, num_nodes: int) -> None:
+        """Refuse a node scope the job's layout cannot serve (called by the CLI and at set-up)."""
+        if self.scope != "node":
+            return
+        k = self.procs_per_node
+        if k is not None:
+            check(world_size % k == 0, "procs_per_node", k, f"must divide the number of processes ({world_size})",
+                  "e.g. --strategy.procs_per_node 1 (every process plays a node)")
+            return
+        check(num_nodes > 1, "scope", "node",
+              f"synchronizes across nodes, and this run has 1 node ({world_size} process(es))",
+              "use --strategy.scope world, or --strategy.procs_per_node K to let K processes play one node")
+
     def wants_node_groups(self) -> bool:
-        return False
+        """True when the strategy synchronizes per node (it gets intra- and inter-node groups)."""
+        return self.scope == "node"
 
     def build_topology(self) -> Topology:
         """gradsync's process groups for this job (a collective call, made once at set-up)."""
-        return Topology.build(node_groups=self.wants_node_groups(), timeout=self._timeout)
+        world = dist.get_world_size()
+        if self.procs_per_node is None:
+            self.check_layout(world, launcher_layout(world)[1])
+        else:
+            self.check_layout(world, 0)
+        return Topology.build(procs_per_node=self.procs_per_node, node_groups=self.wants_node_groups(),
+                              timeout=self._timeout)
 
     @property
     def comm_group(self) -> Optional[dist.ProcessGroup]:
@@ -333,7 +369,9 @@ class GradsyncStrategy(DDPStrategy):
 
     def checkpoint_layout(self) -> dict:
         """Facts about the job a resume needs to reshard (e.g. processes per node); JSON-able."""
-        return {}
+        if self.scope != "node" or self.topology is None:
+            return {}
+        return {"scope": "node", "procs_per_node": self.topology.procs_per_node, "num_nodes": self.topology.num_nodes}
 
     def remove_checkpoint(self, filepath: Any) -> None:
         rank_parts.remove_parts(filepath, self.global_rank)
@@ -375,15 +413,28 @@ class GradsyncStrategy(DDPStrategy):
         if not saved:
             return
         if saved.world_size != self.world_size or not self.same_layout(saved.manifest):
+            self._saved_manifest = saved.manifest
             state = self.reshard_algorithm_state(saved.all(), saved.world_size)
         else:
             state = saved.part(self.global_rank)
         if state is not None:
             self.load_algorithm_state_dict(state)
 
+    _saved_manifest: Optional[dict] = None
+
+    def written_by(self, saved_world_size: int) -> str:
+        """'checkpoint was written by 2 processes (2 node(s) x 1), this run has 4 (2 node(s) x 2)', for warnings."""
+        def layout(manifest: Optional[dict]) -> str:
+            if manifest and manifest.get("procs_per_node"):
+                return f" ({manifest['num_nodes']} node(s) x {manifest['procs_per_node']})"
+            return ""
+        return (f"checkpoint was written by {saved_world_size} processes{layout(self._saved_manifest)}, "
+                f"this run has {self.world_size}{layout(self.checkpoint_layout())}")
+
     def same_layout(self, manifest: dict) -> bool:
         """Whether a checkpoint's parts map one to one onto this job's ranks (beyond the world size)."""
-        return True
+        mine = self.checkpoint_layout()
+        return all(manifest.get(k) == v for k, v in mine.items()) and (bool(mine) or "procs_per_node" not in manifest)
 
     def reshard_algorithm_state(self, parts: list, saved_world_size: int) -> Optional[dict]:
         """Map state saved on ``saved_world_size`` ranks onto this world size.
@@ -394,8 +445,8 @@ class GradsyncStrategy(DDPStrategy):
         reset = sorted(k for k in parts[0] if k != "ledger")
         if reset and self.global_rank == 0:
             warnings.warn(
-                f"{self.strategy_name}: checkpoint was written by {saved_world_size} processes, this run has "
-                f"{self.world_size}; reset per-rank algorithm state: {', '.join(reset)}",
+                f"{self.strategy_name}: {self.written_by(saved_world_size)}; "
+                f"reset per-rank algorithm state: {', '.join(reset)}",
                 stacklevel=2,
             )
         return {"ledger": parts[0].get("ledger", {})}

@@ -17,6 +17,7 @@ from typing import Any, Callable, Literal, Optional
 
 from gradsync.comm import CODEC_OPTIONS, build_reducer, check_codec_options
 from gradsync.comm.ddp import ReducerHookState, reducer_hook
+from gradsync.comm.hierarchical import INTER, NodeReducer
 from gradsync.comm.reducer import IdentityReducer, Reducer
 from gradsync.errors import check
 from gradsync.strategies.base import GradsyncStrategy
@@ -48,6 +49,8 @@ class CompressedStrategy(GradsyncStrategy):
         error_feedback: bool = True,
         warm_start: bool = True,
         seed: int = 0,
+        scope: Literal["world", "node"] = "world",
+        procs_per_node: Optional[int] = None,
         **kwargs: Any,
     ) -> None:
         """
@@ -63,6 +66,10 @@ class CompressedStrategy(GradsyncStrategy):
             error_feedback: sign, topk, powersgd: carry what compression dropped into the next step.
             warm_start: powersgd: start each power iteration from the previous step's Q.
             seed: int8, int4: seed of the stochastic rounding (rank r uses seed + r); powersgd: of the initial Q.
+            scope: ``world``: the codec between every rank; ``node``: the hierarchical all-reduce —
+                fp32 reduce-scatter inside the node, the codec across nodes on the shard, fp32
+                all-gather inside the node — so only the slow hop is compressed.
+            procs_per_node: force the layout (K processes play one node), for tests on one machine.
             **kwargs: options of :class:`~gradsync.strategies.base.GradsyncStrategy` (backend,
                 timeout_seconds, bucket_cap_mb, ...).
         """
@@ -82,6 +89,7 @@ class CompressedStrategy(GradsyncStrategy):
               f"set --strategy.warmup_steps {POWERSGD_MIN_WARMUP} or more, or --strategy.error_feedback false "
               "--strategy.warm_start false")
         super().__init__(**kwargs)
+        self._set_scope(scope, procs_per_node)
         self.codec = codec
         self.warmup_steps = warmup_steps
         self.chunk_size, self.fraction, self.rank = chunk_size, fraction, rank
@@ -89,18 +97,22 @@ class CompressedStrategy(GradsyncStrategy):
         self._new_reducer()  # validates the codec's own options now, not at the first step
         self._hook_state: Optional[ReducerHookState] = None
 
-    def _new_reducer(self, group: Any = None) -> Reducer:
+    def _new_reducer(self, group: Any = None, scope: str = "world") -> Reducer:
         options = {k: getattr(self, k) for k in CODEC_OPTIONS}
-        return build_reducer(self.codec, ledger=self.ledger, group=group,
+        return build_reducer(self.codec, ledger=self.ledger, group=group, scope=scope,
                              error_feedback=self.error_feedback and self.codec in FEEDBACK_CODECS, **options)
 
     # ---- hooks -----------------------------------------------------------------------------
     def build_comm_hook(self) -> Optional[tuple[Any, Callable]]:
-        group = self.comm_group
-        self._hook_state = ReducerHookState(
-            reducer=self._new_reducer(group), warmup=IdentityReducer(ledger=self.ledger, group=group),
-            warmup_steps=self.warmup_steps,
-        ).bind(self.lightning_module.named_parameters())
+        if self.scope == "node" and self.topology is not None:
+            inter, intra = self.topology.inter, self.topology.intra
+            reducer: Reducer = NodeReducer(self._new_reducer(inter, INTER), intra=intra)
+            warmup: Reducer = NodeReducer(IdentityReducer(ledger=self.ledger, group=inter, scope=INTER), intra=intra)
+        else:
+            reducer = self._new_reducer(self.comm_group)
+            warmup = IdentityReducer(ledger=self.ledger, group=self.comm_group)
+        self._hook_state = ReducerHookState(reducer=reducer, warmup=warmup, warmup_steps=self.warmup_steps,
+                                            ).bind(self.lightning_module.named_parameters())
         return self._hook_state, reducer_hook
 
     # ---- algorithm state -------------------------------------------------------------------
@@ -132,8 +144,7 @@ class CompressedStrategy(GradsyncStrategy):
             reset = ", ".join(self._new_reducer().runtime_state_names())
             if reset:
                 warnings.warn(
-                    f"compressed: checkpoint was written by {saved_world_size} processes, this run has "
-                    f"{self.world_size}; reset codec state ({self.codec}): {reset}", stacklevel=2)
+                    f"compressed: {self.written_by(saved_world_size)}; reset codec state ({self.codec}): {reset}", stacklevel=2)
         out: dict = {"ledger": parts[0].get("ledger", {})}
         if saved is not None:
             out["compressed"] = {"codec": saved.get("codec"), "num_steps": saved["num_steps"], "codec_state": {}}

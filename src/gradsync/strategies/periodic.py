@@ -48,12 +48,14 @@ import torch.distributed as dist
 
 from gradsync.comm import CODEC_OPTIONS, LOSSY, build_reducer, check_codec_options
 from gradsync.comm.ddp import AllReduceState, allreduce_hook, local_hook
+from gradsync.comm.hierarchical import INTER, INTRA, NodeReducer
 from gradsync.comm.ledger import CommLedger, fp32_allreduce_bytes
 from gradsync.comm.reducer import Reducer
 from gradsync.errors import GradsyncError, check
 from gradsync.strategies.base import GradsyncStrategy
 
 Codec = Literal["identity", "fp16", "bf16", "int8", "int4", "sign", "topk", "powersgd"]
+Scope = Literal["world", "node"]
 
 
 @dataclass
@@ -65,6 +67,8 @@ class PeriodicState:
     warmup_steps: int = 0
     num_steps: int = 0  #: optimizer steps taken under this strategy (checkpointed)
     sync: AllReduceState = field(init=False)
+    #: Node scope: the intra-node all-reduce of every local step (None: local steps send nothing).
+    node: Optional[AllReduceState] = None
 
     def __post_init__(self) -> None:
         self.sync = AllReduceState(ledger=self.ledger)
@@ -86,9 +90,12 @@ class PeriodicState:
 
 
 def local_or_warmup_hook(state: PeriodicState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """During warm-up, average the bucket like ``sync``; afterwards keep the local gradient."""
+    """During warm-up, average the bucket like ``sync``; afterwards keep the local gradient (node
+    scope: average it inside the node)."""
     if state.in_warmup:
         return allreduce_hook(state.sync, bucket)
+    if state.node is not None:
+        return allreduce_hook(state.node, bucket)
     return local_hook(state, bucket)
 
 
@@ -192,6 +199,8 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
         rank: int = CODEC_OPTIONS["rank"][0],
         warm_start: bool = CODEC_OPTIONS["warm_start"][0],
         seed: int = CODEC_OPTIONS["seed"][0],
+        scope: Scope = "world",
+        procs_per_node: Optional[int] = None,
         **kwargs: Any,
     ) -> None:
         """
@@ -211,6 +220,11 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
             rank: powersgd: rank of the approximation, >= 1.
             warm_start: powersgd: start each power iteration from the previous round's Q.
             seed: int8, int4: stochastic-rounding seed (rank r uses seed + r); powersgd: initial Q.
+            scope: ``world``: every rank trains its own replica and rounds average all of them;
+                ``node``: every inner step all-reduces gradients inside the node (fp32, as DDP), so
+                each node holds one replica, and rounds (with their codec) run across nodes only.
+            procs_per_node: force the layout (K processes play one node), for tests on one machine;
+                default: what torchrun / SLURM say.
             **kwargs: DDP and process-group options of :class:`~gradsync.strategies.base.GradsyncStrategy`.
         """
         check(isinstance(period, int) and not isinstance(period, bool) and period >= 1, "period", period,
@@ -232,6 +246,7 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
             chunk_size, fraction, rank, warm_start, seed)
         build_reducer(codec, error_feedback=self.error_feedback, **codec_options)  # validates the codec's options
         super().__init__(**kwargs)
+        self._set_scope(scope, procs_per_node)
         # Buffers are averaged at rounds (average_buffers) or stay local; DDP's per-forward
         # broadcast of rank 0's buffers would be unaccounted traffic that overrides both.
         self._ddp_kwargs["broadcast_buffers"] = False
@@ -279,6 +294,9 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
 
     # ---- hooks into Lightning ------------------------------------------------------------------
     def build_comm_hook(self) -> Optional[tuple[Any, Callable]]:
+        if self.scope == "node" and self.topology is not None:
+            self.steps.node = AllReduceState(ledger=self.ledger, group=self.topology.intra, scope=INTRA,
+                                             logical=False)
         return self.steps, local_or_warmup_hook
 
     def on_train_start(self) -> None:
@@ -297,7 +315,8 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
         self.steps.num_steps += 1
         if not warmup:
             # what sync DDP would have sent for this step's gradients (warm-up steps record it in the hook)
-            self.ledger.add_logical(fp32_allreduce_bytes(self._layout().num_trainable, self.world_size))
+            self.ledger.add_logical(fp32_allreduce_bytes(self._layout().num_trainable, self.world_size),
+                                    scope=self.round_scope())
             self._after_local_step(self.steps.local_steps)
         return output
 
@@ -350,20 +369,22 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
             self._reducer_cache = build_reducer(self.codec, ledger=self.ledger, group=self.round_group(),
                                                 scope=self.round_scope(), error_feedback=self.error_feedback,
                                                 **options)
+            if self.scope == "node":
+                # every process of a node holds the same replica: each sends its 1/K shard across nodes
+                self._reducer_cache = NodeReducer(self._reducer_cache, intra=self.topology.intra, replicated=True)
             if self._restored_reducer_state is not None:
                 self._reducer_cache.load_state_dict(self._restored_reducer_state)
                 self._restored_reducer_state = None
         return self._reducer_cache
 
     def round_group(self) -> Optional[dist.ProcessGroup]:
-        """The process group rounds average over."""
+        """The process group rounds average over (node scope: this local rank's inter-node group)."""
+        if self.scope == "node" and self.topology is not None:
+            return self.topology.inter
         return self.comm_group
 
     def round_scope(self) -> str:
-        return "world"
-
-    def round_world_size(self) -> int:
-        return self.world_size
+        return INTER if self.scope == "node" else "world"
 
     def _issue(self, k: int, s: int, kind: str = "round") -> None:
         layout = self._layout()
@@ -439,13 +460,16 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
 
     @torch.no_grad()
     def _average_buffers(self, sync: Any) -> None:
-        """Plain fp32 mean of the floating buffers (e.g. BatchNorm statistics), blocking."""
+        """Plain fp32 mean of the floating buffers (e.g. BatchNorm statistics) over every rank, blocking.
+
+        Over the world even with node scope: a node's processes compute their statistics on
+        different data, so they differ inside a node too."""
         buffers = self._layout().buffers
         if not buffers or not self._distributed():
             return
         flat = torch.cat([b.reshape(-1).to(torch.float32) for b in buffers])
-        self.ledger.all_reduce(flat, group=self.round_group(), scope=self.round_scope(), sync=sync)
-        flat.div_(self.round_world_size())
+        self.ledger.all_reduce(flat, group=self.comm_group, scope=self.round_scope(), sync=sync)
+        flat.div_(self.world_size)
         pos = 0
         for b in buffers:
             b.copy_(flat[pos:pos + b.numel()].view_as(b))
@@ -555,8 +579,7 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
             reset.append(f"codec state ({self.codec}{': ' + ', '.join(names) if names else ''})")
         if self.global_rank == 0:
             warnings.warn(
-                f"{self.strategy_name}: checkpoint was written by {saved_world_size} processes, this run has "
-                f"{self.world_size}; kept {', '.join(kept)}; "
+                f"{self.strategy_name}: {self.written_by(saved_world_size)}; kept {', '.join(kept)}; "
                 f"averaged local_params of the {saved_world_size} saved ranks; reset {', '.join(reset)}",
                 stacklevel=2,
             )
