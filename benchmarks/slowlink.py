@@ -86,14 +86,17 @@ def measure_link(seconds: float = 2.0) -> float:
     return float(srv.communicate(timeout=60)[0].strip())
 
 
-def train(name: str, extra: list[str], steps: int, val_every: int, model: list[str], tmp: Path) -> dict:
+def train(name: str, extra: list[str], steps: int, val_every: int, model: list[str], tmp: Path,
+          devices: int = 1) -> dict:
+    """Train on two nodes (one namespace each) of ``devices`` processes; processes of a node talk over loopback."""
     out = tmp / name.replace(" ", "_")
     port = "29511"
     procs = []
     for rank, (ns, veth) in enumerate(zip(NS, VETH)):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": veth, "WANDB_MODE": "disabled"}
         cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "gradsync.cli.main", "fit", "--recipe", "chargpt",
-               *model, *extra, "--accelerator", "cpu", "--devices", "1", "--nnodes", "2", "--node-rank", str(rank),
+               *model, *extra, "--accelerator", "cpu", "--devices", str(devices), "--nnodes", "2",
+               "--node-rank", str(rank),
                "--master-addr", ADDR[0], "--master-port", port, "--max-steps", str(steps), "--val-every",
                str(val_every), "--timeout", "600", "--output-dir", str(out)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))

@@ -84,6 +84,22 @@ def test_lowcomm(tmp_path):
     assert all(0 < r["utilization"] for r in rows.values())  # timings are noise here; the full run compares
 
 
+def test_nodes(tmp_path):
+    from benchmarks import nodes
+
+    rep = nodes.run(tmp_path, quick=True)
+    if nodes.slowlink.available():
+        assert "not run" in rep.notes[0]
+        return
+    data = _check(tmp_path, "nodes")
+    rows = {r[0]: dict(zip(data["columns"], r)) for r in data["rows"]}
+    assert list(rows) == ["sync", "diloco scope node (2 replicas)"]
+    node, sync = rows["diloco scope node (2 replicas)"], rows["sync"]
+    # 8 steps: sync's 4-process ring every step vs two rounds of half the model between the nodes
+    assert node["inter-node MB / process"] < sync["inter-node MB / process"] / 10
+    assert node["intra-node MB / process"] > 0  # the inner steps were all-reduced inside the node
+
+
 def test_straggler(tmp_path):
     from benchmarks import straggler
 

@@ -45,13 +45,15 @@ from gradsync.strategies.periodic import PeriodicAveragingStrategy
 
 #: Models above this many bytes keep DiLoCo's global state on the host by default (on CUDA).
 OFFLOAD_BYTES = 1 << 30
+#: Inner steps the default outer-momentum warm-up spans: ceil(this / period) outer steps.
+MOMENTUM_WARMUP_INNER_STEPS = 400
 
 
 class DiLoCoStrategy(PeriodicAveragingStrategy):
     """DiLoCo: local inner steps, outer Nesterov SGD on the averaged pseudo-gradient every `period` steps."""
 
     strategy_name = "diloco"
-    replicated_state = ("num_steps", "global_params", "outer_optimizer")
+    replicated_state = ("num_steps", "global_params", "outer_optimizer", "outer_steps")
 
     def __init__(
         self,
@@ -59,6 +61,7 @@ class DiLoCoStrategy(PeriodicAveragingStrategy):
         period: int = 8,
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
+        outer_momentum_warmup: Optional[int] = None,
         fragments: int = 1,
         sync_delay: int = 0,
         fragment_alpha: float = 0.0,
@@ -76,6 +79,10 @@ class DiLoCoStrategy(PeriodicAveragingStrategy):
             outer_lr: learning rate of the outer Nesterov SGD, > 0 (paper: 0.7). 1 with
                 ``outer_momentum`` 0 is plain local SGD; lower it if the loss jumps after rounds.
             outer_momentum: Nesterov momentum of the outer SGD, in [0, 1) (paper: 0.9).
+            outer_momentum_warmup: outer steps over which the momentum ramps up linearly,
+                ``outer_momentum * min(1, t / W)`` at a fragment's t-th outer step; 0 uses the full
+                momentum from the first. Default: ceil(400 / period), so the paper's H = 500 runs
+                start at full momentum and short periods do not overshoot.
             fragments: split the parameters into this many fragments, strided over the layers, each
                 synced once per period at its own offset (Streaming DiLoCo); must divide ``period``.
             sync_delay: inner steps between issuing a fragment's reduction and applying its outer
@@ -96,14 +103,21 @@ class DiLoCoStrategy(PeriodicAveragingStrategy):
         check(outer_lr > 0, "outer_lr", outer_lr, "must be > 0", "the DiLoCo paper uses --strategy.outer_lr 0.7")
         check(0 <= outer_momentum < 1, "outer_momentum", outer_momentum, "must be in [0, 1)",
               "the DiLoCo paper uses --strategy.outer_momentum 0.9")
+        check(outer_momentum_warmup is None or (isinstance(outer_momentum_warmup, int)
+                                                 and not isinstance(outer_momentum_warmup, bool)
+                                                 and outer_momentum_warmup >= 0),
+              "outer_momentum_warmup", outer_momentum_warmup, "must be an integer >= 0 (outer steps; 0: none)",
+              "omit it for the default warm-up")
         self.outer_lr = float(outer_lr)
         self.outer_momentum = float(outer_momentum)
+        self.outer_momentum_warmup = outer_momentum_warmup
         super().__init__(period=period, warmup_steps=warmup_steps, average_buffers=average_buffers,
                          overlap=overlap, **kwargs)
         self.fragments, self.sync_delay, self.fragment_alpha = fragments, sync_delay, float(fragment_alpha)
         self._check_streaming()
         self.offload = offload
         self.global_params: Optional[list[torch.Tensor]] = None
+        self.outer_steps = [0] * self.fragments  # outer steps taken, per fragment
         self.outer_optimizer: Optional[torch.optim.SGD] = None
 
     # ---- the global copy ----------------------------------------------------------------------
@@ -121,6 +135,15 @@ class DiLoCoStrategy(PeriodicAveragingStrategy):
         self.outer_optimizer = torch.optim.SGD(self.global_params, lr=self.outer_lr,
                                                momentum=self.outer_momentum, nesterov=self.outer_momentum > 0)
 
+    def momentum_at(self, t: int) -> float:
+        """The outer momentum of a fragment's ``t``-th outer step (1-based)."""
+        w = self.outer_momentum_warmup
+        if w is None:
+            w = -(-MOMENTUM_WARMUP_INNER_STEPS // self.period)
+        if w == 0:
+            return self.outer_momentum
+        return self.outer_momentum * min(1.0, t / w)
+
     def _begin_local_phase(self) -> None:
         if self.global_params is None:
             self._set_global(self._layout().params)
@@ -136,6 +159,10 @@ class DiLoCoStrategy(PeriodicAveragingStrategy):
         for i, pseudo_grad in zip(indices, means):
             g = self.global_params[i]
             g.grad = pseudo_grad.to(g.device, g.dtype)
+        k = self._layout().fragments.index(indices)
+        self.outer_steps[k] += 1
+        for group in self.outer_optimizer.param_groups:
+            group["momentum"] = self.momentum_at(self.outer_steps[k])
         self.outer_optimizer.step()  # steps only the parameters that have a gradient: this fragment's
         for i in indices:
             self.global_params[i].grad = None
@@ -144,12 +171,15 @@ class DiLoCoStrategy(PeriodicAveragingStrategy):
     # ---- algorithm state -------------------------------------------------------------------------
     def algorithm_state_dict(self) -> dict:
         state = super().algorithm_state_dict()
+        state["outer_steps"] = list(self.outer_steps)
         state["global_params"] = self.global_params
         state["outer_optimizer"] = self.outer_optimizer.state_dict() if self.outer_optimizer is not None else None
         return state
 
     def load_algorithm_state_dict(self, state: dict) -> None:
         super().load_algorithm_state_dict(state)
+        if state.get("outer_steps") is not None and len(state["outer_steps"]) == self.fragments:
+            self.outer_steps = [int(t) for t in state["outer_steps"]]
         saved = state.get("global_params")
         if saved is None:
             return

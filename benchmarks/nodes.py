@@ -1,0 +1,102 @@
+"""nodes: two nodes of two processes, a shaped link between them and loopback inside each.
+
+The ``slowlink`` namespaces, with two processes in each (torchrun ``--nproc-per-node 2`` per
+namespace): traffic between the nodes crosses the shaped veth, traffic inside a node stays on the
+namespace's loopback, as NVLink inside a node and Ethernet between nodes. Compares flat ``sync``,
+flat ``diloco`` (four replicas), and ``diloco --strategy.scope node`` (one replica per node, the
+inner steps all-reduced inside the node) with and without int8 pseudo-gradients, on time to
+``sync``'s final validation loss + 2%, and bytes that crossed between the nodes.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from benchmarks import slowlink
+from benchmarks.common import Report, command_line
+
+DILOCO = ["--strategy", "diloco", "--strategy.period", "16"]
+STRATEGIES = {
+    "sync": [],
+    "diloco (4 replicas)": DILOCO,
+    "diloco scope node (2 replicas)": [*DILOCO, "--strategy.scope", "node"],
+    "diloco scope node + int8": [*DILOCO, "--strategy.scope", "node", "--strategy.codec", "int8"],
+}
+QUICK = ("sync", "diloco scope node (2 replicas)")
+
+
+def inter_node_bytes(summary: dict) -> float:
+    """Bytes one process sent between the nodes: the inter-node scope, or (flat) everything it sent.
+
+    A flat collective's ring crosses the link, so all of a flat strategy's bytes are counted."""
+    scopes = summary["comm"].get("by_scope") or {}
+    return scopes["inter_node"]["wire_bytes"] if "inter_node" in scopes else summary["comm"]["wire_bytes"]
+
+
+def run(out: Path, quick: bool = False, rate: str = "") -> Report:
+    rate = rate or os.environ.get("GRADSYNC_NODES_RATE", "100mbit")
+    rep = Report("nodes", f"Two nodes x two processes over a {rate} link (loopback inside a node): chargpt",
+                 ["strategy", "steps", "time to target s", "speedup vs sync", "inter-node MB / process",
+                  "intra-node MB / process", "s / step", "final val_loss"], command=command_line())
+    why = slowlink.available()
+    if why:
+        rep.notes.append(f"not run: {why}")
+        rep.write(out)
+        print(f"nodes: skipped, {why}")
+        return rep
+    model = (["--model.n_layer", "1", "--model.n_head", "2", "--model.n_embd", "32", "--model.block_size", "32",
+              "--data.max_chars", "200000", "--data.val_windows", "32", "--batch-size", "8"] if quick else
+             ["--model.n_layer", "2", "--model.n_head", "4", "--model.n_embd", "128", "--model.block_size", "64",
+              "--data.max_chars", "1000000", "--data.val_windows", "64", "--batch-size", "8", "--lr", "0.003",
+              "--model.optimizer", "adamw"])
+    steps, val_every = (8, 4) if quick else (160, 16)
+    plan = {k: v for k, v in STRATEGIES.items() if not quick or k in QUICK}
+    if quick:
+        plan = {k: [f if f != "16" else "4" for f in flags] for k, flags in plan.items()}
+    results = {}
+    try:
+        slowlink.link_up(rate)
+        measured = slowlink.measure_link(1.0 if quick else 3.0)
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, flags in plan.items():
+                # DiLoCo's steps are cheap: give it more of them; the question is how soon it gets there
+                n = steps if name == "sync" or quick else 2 * steps
+                results[name] = slowlink.train(name, flags, n, val_every, model, Path(tmp), devices=2)
+    finally:
+        slowlink.link_down()
+    target = results["sync"]["curve"][-1][2] * 1.02
+    base = None
+    for name, r in results.items():
+        s = r["summary"]
+        hit = next(((step, wall) for step, wall, loss in r["curve"] if loss <= target and wall is not None), None)
+        t_target = hit[1] if hit else float("nan")
+        if name == "sync":
+            base = t_target
+        intra = (s["comm"].get("by_scope") or {}).get("intra_node", {}).get("wire_bytes", 0)
+        rep.rows.append([name, r["curve"][-1][0], t_target, (base / t_target) if hit and base else "not reached",
+                         inter_node_bytes(s) / 1e6, intra / 1e6, r["curve"][-1][1] / r["curve"][-1][0],
+                         s["metrics"].get("val_loss")])
+    rep.notes.append(f"link: veth pair between two namespaces, tbf {rate} on both ends; measured {measured:.0f} Mbit/s; "
+                     "two processes per namespace (torchrun --nproc-per-node 2), loopback between them.")
+    rep.notes.append(f"target val_loss {target:.3f} = sync's final loss + 2%; global batch "
+                     f"4 x 8, validation every {val_every}; s / step = wall time at the last validation / steps.")
+    rep.notes.append("inter-node bytes: the ledger's inter_node scope for node-scoped runs; all bytes for flat ones "
+                     "(their rings cross the link).")
+    rep.data = {"rate": rate, "measured_mbit": measured, "target": target,
+                "curves": {k: v["curve"] for k, v in results.items()},
+                "summaries": {k: {"comm": v["summary"]["comm"], "metrics": v["summary"]["metrics"]}
+                              for k, v in results.items()}}
+
+    def plot(ax):
+        for name, r in results.items():
+            pts = [(w, loss) for _, w, loss in r["curve"] if w is not None]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=name)
+        ax.axhline(target, color="#888", ls="--", lw=1, label="target")
+        ax.set_xlabel("wall time (s)")
+        ax.set_ylabel("validation loss")
+        ax.legend(fontsize=8)
+
+    rep.write(out, plot)
+    return rep
