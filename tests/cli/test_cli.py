@@ -84,12 +84,45 @@ def test_bad_input_is_one_line_exit_2_no_traceback():
     (["--strategy", "ddp", "--strategy.bucket_cap_mb", "3"], "unrecognized arguments"),
     (["--model.channels", "abc"], "model.channels"),
     (["--resume", "/nonexistent/last.ckpt"], "does not exist"),
+    (["--output-dir", "/proc/gradsync-run"], "--output-dir /proc/gradsync-run: cannot be created"),
+    (["--nnodes", "0"], "--nnodes 0: must be >= 1"),
+    (["--num-nodes", "0"], "--num-nodes 0: must be >= 1"),
+    (["--nnodes", "2", "--node-rank", "2"], "--node-rank 2: must be in 0..1 (one less than --nnodes)"),
+    (["--master-port", "0"], "--master-port 0: must be a TCP port"),
+    (["--max-restarts", "-1"], "--max-restarts -1: must be >= 0"),
+    (["--timeout", "0"], "must be > 0 seconds"),
+    (["--config", "/nonexistent/run.yaml"], "/nonexistent/run.yaml"),
+    (["--strategy", "diloco", "--strategy.scope", "node", "--devices", "2"],
+     "--strategy.scope node: synchronizes across nodes, and this run has 1 node (2 process(es))"),
+    (["--strategy", "compressed", "--strategy.scope", "node", "--strategy.procs_per_node", "3", "--devices", "2"],
+     "--strategy.procs_per_node 3: must divide the number of processes (2)"),
+    (["--strategy", "diloco", "--strategy.outer_momentum_warmup", "-1"], "--strategy.outer_momentum_warmup -1"),
+    (["--strategy", "diloco", "--strategy.period", "6", "--strategy.fragments", "4"],
+     "--strategy.fragments 4: must divide --strategy.period 6"),
+    (["--strategy", "diloco", "--strategy.period", "8", "--strategy.fragments", "2", "--strategy.sync_delay", "4"],
+     "--strategy.sync_delay 4: must be < period/fragments = 4"),
+    (["--strategy", "local_sgd", "--strategy.codec", "int8", "--strategy.rank", "8"],
+     "--strategy.rank 8: is not used by codec int8"),
 ])
 def test_bad_inputs(capsys, args, expected):
     assert main(["fit", "--accelerator", "cpu", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("gradsync: error: ") and "\n" not in err
     assert expected in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
+def test_gpu_accelerator_without_a_gpu_is_one_line(capsys):
+    assert main(["fit", "--accelerator", "gpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--accelerator gpu: no GPU here" in err and "use --accelerator cpu" in err
+
+
+def test_unknown_command_is_one_line(capsys):
+    assert main(["frobnicate"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "gradsync: error: unknown command 'frobnicate'; choose one of fit, validate, test, list, compare, " \
+                  "sample"
 
 
 def test_corrupt_checkpoint_is_one_line(tmp_path, capsys):

@@ -37,8 +37,12 @@ def test_same_global_batch_on_1_2_3_processes(tmp_path):
     results = {}
     for world in (1, 2, 3):
         k = g // (b * world)
-        results[world] = fit(plain_sgd(), DigitsData(batch_size=b), strategy=SyncStrategy(), devices=world,
-                             max_steps=steps, accumulate_grad_batches=k, out=tmp_path / f"w{world}")[0]["params"]
+        ranks = fit(plain_sgd(), DigitsData(batch_size=b), strategy=SyncStrategy(), devices=world,
+                    max_steps=steps, accumulate_grad_batches=k, out=tmp_path / f"w{world}")
+        for r in ranks:  # every rank ran the steps, each of k micro-batches
+            assert r["global_step"] == steps and r["batches_run"] == steps * k
+        results[world] = ranks[0]["params"]
+    assert max_abs_diff(results[1], plain_sgd().state_dict()) > 1e-3  # the weights moved
     assert max_abs_diff(results[1], results[2]) <= 1e-5
     assert max_abs_diff(results[1], results[3]) <= 1e-5
 

@@ -246,7 +246,7 @@ def parse_run(command: str, argv: Sequence[str]):
         raise UsageError(_one_line(exc)) from None
     d = cfg.as_dict()
     d.pop("config", None)
-    _check_run_flags(d)
+    _check_run_flags(d, argv)
     strategy = dict(d.get("strategy") or {})
     name = strategy.pop("name")
     if d["timeout"] is not None:
@@ -279,17 +279,27 @@ def parse_run(command: str, argv: Sequence[str]):
     return spec
 
 
-def _check_run_flags(d: dict) -> None:
+def _typed(argv: Sequence[str], spellings: Sequence[str]) -> str:
+    """The spelling of a flag the user typed (the first of ``spellings`` when none was typed)."""
+    for arg in argv:
+        key = arg.split("=", 1)[0]
+        if key in spellings:
+            return key
+    return spellings[0]
+
+
+def _check_run_flags(d: dict, argv: Sequence[str] = ()) -> None:
+    nodes_flag = _typed(argv, ("--num-nodes", "--nnodes", "--num_nodes"))
     rules = [
         ("--devices", d["devices"], d["devices"] >= 1, "must be >= 1 (processes per node)"),
-        ("--num-nodes", d["num_nodes"], d["num_nodes"] >= 1, "must be >= 1"),
+        (nodes_flag, d["num_nodes"], d["num_nodes"] >= 1, "must be >= 1"),
         ("--max-steps", d["max_steps"], d["max_steps"] == -1 or d["max_steps"] >= 1, "must be >= 1 (or -1: no limit)"),
         ("--max-epochs", d["max_epochs"], d["max_epochs"] is None or d["max_epochs"] >= 1, "must be >= 1"),
         ("--checkpoint-every", d["checkpoint_every"], d["checkpoint_every"] >= 0, "must be >= 0 steps"),
         ("--max-restarts", d["max_restarts"], d["max_restarts"] >= 0, "must be >= 0"),
         ("--val-every", d["val_every"], d["val_every"] >= 0, "must be >= 0 optimizer steps"),
         ("--node-rank", d["node_rank"], d["node_rank"] is None or 0 <= d["node_rank"] < d["num_nodes"],
-         f"must be in 0..{d['num_nodes'] - 1} (one less than --nnodes)"),
+         f"must be in 0..{d['num_nodes'] - 1} (one less than {nodes_flag})"),
         ("--master-port", d["master_port"], d["master_port"] is None or 0 < d["master_port"] < 65536,
          "must be a TCP port, 1..65535"),
         ("--accelerator", d["accelerator"], d["accelerator"] in ("cpu", "gpu", "cuda", "auto"),
@@ -298,6 +308,14 @@ def _check_run_flags(d: dict) -> None:
     for flag, value, ok, rule in rules:
         if not ok:
             raise UsageError(f"{flag} {value}: {rule}")
+    if d["accelerator"] in ("gpu", "cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            build = f"this torch ({torch.__version__}) is a CPU build" if torch.version.cuda is None else \
+                "torch sees no CUDA device (check nvidia-smi and CUDA_VISIBLE_DEVICES)"
+            raise UsageError(f"--accelerator {d['accelerator']}: no GPU here, {build}; use --accelerator cpu "
+                             "(or auto)")
 
 
 def _one_line(exc: BaseException) -> str:
@@ -336,6 +354,12 @@ def validate_spec(spec) -> None:
             raise UsageError(f"{flag} {exc.value}: {exc.rule}" + (f" ({exc.fix})" if exc.fix else "")) from None
         except (TypeError, ValueError) as exc:
             raise UsageError(f"--{component}: {_one_line(exc)}") from None
+    if spec.output_dir is not None and spec.command == "fit":
+        try:
+            spec.output_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"--output-dir {spec.output_dir}: cannot be created ({exc.strerror or exc}); "
+                             "choose a writable directory") from None
     ckpt = resolve_checkpoint_to_resume(spec)
     accumulation_steps(resolve_global_batch(spec, ckpt), spec.micro_batch_size, spec.world_size)
 

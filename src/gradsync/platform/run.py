@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import lightning as L
+from lightning.pytorch.utilities.model_helpers import is_overridden
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
@@ -190,7 +191,7 @@ class CommMetrics(Callback):
 
 
 def build_trainer(spec: RunSpec, strategy: Union[Strategy, str], clock: _RunClock, *,
-                  accumulation: int = 1, global_batch: Optional[int] = None) -> L.Trainer:
+                  accumulation: int = 1, global_batch: Optional[int] = None, shards_itself: bool = True) -> L.Trainer:
     from gradsync.platform.consistency import ConfigConsistency, config_fingerprint
 
     callbacks: list[Callback] = [clock, CommMetrics(), RunInfo({"global_batch_size": global_batch}),
@@ -222,7 +223,9 @@ def build_trainer(spec: RunSpec, strategy: Union[Strategy, str], clock: _RunCloc
         callbacks=callbacks,
         plugins=plugins or None,
         enable_checkpointing=spec.command == "fit" and spec.output_dir is not None,
-        use_distributed_sampler=False,  # recipes shard their own data (DESIGN.md "Data order")
+        # Recipes shard their own data (DESIGN.md "Data order"); any other DataModule gets Lightning's
+        # distributed sampler, as under a plain L.Trainer, unless it declares `shards_itself = True`.
+        use_distributed_sampler=not shards_itself,
         num_sanity_val_steps=0,
         log_every_n_steps=1,
         enable_model_summary=False,
@@ -246,7 +249,8 @@ def execute(spec: RunSpec) -> dict:
     global_batch = resolve_global_batch(spec, ckpt)
     k = accumulation_steps(global_batch, micro, spec.world_size)
     clock = _RunClock()
-    trainer = build_trainer(spec, strategy, clock, accumulation=k, global_batch=global_batch)
+    trainer = build_trainer(spec, strategy, clock, accumulation=k, global_batch=global_batch,
+                            shards_itself=bool(getattr(data, "shards_itself", False)))
     world = trainer.world_size
     if trainer.is_global_zero:
         print(f"gradsync: {spec.command} recipe={spec.recipe} strategy={spec.strategy} on {world} "
@@ -257,8 +261,8 @@ def execute(spec: RunSpec) -> dict:
     if spec.command == "fit":
         trainer.fit(model, datamodule=data, ckpt_path=str(ckpt) if ckpt else None)
         clock.train_metrics = {k: v for k, v in trainer.callback_metrics.items() if k.startswith("train_")}
-        if clock.last_val_step != trainer.global_step:
-            trainer.validate(model, datamodule=data, verbose=False)
+        if clock.last_val_step != trainer.global_step and is_overridden("validation_step", model):
+            trainer.validate(model, datamodule=data, verbose=False)  # (a module without one has no validation)
         if spec.checkpoint_path is not None:
             trainer.save_checkpoint(str(spec.checkpoint_path), weights_only=False)
     elif spec.command == "validate":

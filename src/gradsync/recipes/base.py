@@ -303,6 +303,10 @@ class RecipeData(L.LightningDataModule):
     ``batch_size`` is the per-process micro-batch.
     """
 
+    #: The loaders give each rank its own shard (the data-order contract), so gradsync does not add
+    #: Lightning's distributed sampler. A DataModule of your own that shards itself says so the same way.
+    shards_itself = True
+
     def __init__(self, *, batch_size: int = 32) -> None:
         """
         Args:

@@ -1,0 +1,59 @@
+"""A LightningModule and DataModule gradsync did not write, through `gradsync fit --model --data`."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(240)
+
+PROBE = '''
+import os
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class ProbeData(L.LightningDataModule):
+    """An ordinary DataModule: a plain shuffled DataLoader, no sharding of its own."""
+
+    def train_dataloader(self):
+        x = torch.arange(64, dtype=torch.float32).unsqueeze(1)
+        return DataLoader(TensorDataset(x), batch_size=4, shuffle=True)
+
+
+class Probe(L.LightningModule):
+    """Records the sample indices each rank trains on; has no validation_step."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        with open(os.path.join(os.environ["PROBE_DIR"], f"rank{self.global_rank}.txt"), "a") as f:
+            f.write(" ".join(str(int(v)) for v in x.flatten()) + "\\n")
+        return self.layer(x).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+'''
+
+
+def test_plain_datamodule_is_split_across_processes_and_no_validation_is_fine(tmp_path):
+    (tmp_path / "probe.py").write_text(PROBE)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PROBE_DIR": str(tmp_path),
+           "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    r = subprocess.run([sys.executable, "-m", "gradsync.cli.main", "fit", "--model", "probe.Probe", "--data",
+                        "probe.ProbeData", "--devices", "2", "--accelerator", "cpu", "--max-steps", "4",
+                        "--output-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=200, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "validation_step" not in r.stderr  # no final validation of a module that has none
+    seen = [[int(v) for line in (tmp_path / f"rank{k}.txt").read_text().split("\n") if line for v in line.split()]
+            for k in (0, 1)]
+    assert len(seen[0]) == len(seen[1]) == 4 * 4  # 4 steps of 4 samples on each rank
+    assert not set(seen[0]) & set(seen[1]), "both ranks trained on the same samples"
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["global_step"] == 4
