@@ -94,12 +94,13 @@ def run(out: Path, quick: bool = False, rate: str = "") -> Report:
     base_time, base_bytes_per_step = None, None
     for name, r in results.items():
         s, steps = r["summary"], plan[name][1]
-        hit = next(((step, wall) for step, wall, loss in r["curve"] if loss <= target and wall is not None), None)
-        t_target = hit[1] if hit else float("nan")
+        hit = slowlink.time_to_target(r["curve"], target)
+        t_target = hit if hit is not None else float("nan")
         per_step = s["comm"]["wire_bytes"] / steps
         if name == "sync":
             base_time, base_bytes_per_step = t_target, per_step
-        rep.rows.append([name, steps, t_target, (base_time / t_target) if hit and base_time else "not reached",
+        speedup = (base_time / t_target) if hit is not None and base_time else "not reached"
+        rep.rows.append([name, steps, t_target, speedup,
                          reference / mean_step_seconds(r["curve"]), s["comm"]["wire_bytes"] / 1e6,
                          base_bytes_per_step / per_step, s["comm"]["peak_sync_bytes"] / 1e3,
                          s["metrics"].get("val_loss")])
@@ -117,15 +118,5 @@ def run(out: Path, quick: bool = False, rate: str = "") -> Report:
                 "summaries": {k: {"comm": v["summary"]["comm"], "metrics": v["summary"]["metrics"]}
                               for k, v in results.items()}}
 
-    def plot(ax):
-        for name, r in results.items():
-            pts = [(w, loss) for _, w, loss in r["curve"] if w is not None]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=name)
-        ax.axhline(target, color="#888", ls="--", lw=1, label="target")
-        ax.set_xscale("log")
-        ax.set_xlabel("wall time (s, log)")
-        ax.set_ylabel("validation loss")
-        ax.legend(fontsize=8)
-
-    rep.write(out, plot)
+    rep.write(out, slowlink.loss_plot(results, target, log_time=True))
     return rep

@@ -70,12 +70,13 @@ def run(out: Path, quick: bool = False, rate: str = "") -> Report:
     base = None
     for name, r in results.items():
         s = r["summary"]
-        hit = next(((step, wall) for step, wall, loss in r["curve"] if loss <= target and wall is not None), None)
-        t_target = hit[1] if hit else float("nan")
+        hit = slowlink.time_to_target(r["curve"], target)
+        t_target = hit if hit is not None else float("nan")
         if name == "sync":
             base = t_target
         intra = (s["comm"].get("by_scope") or {}).get("intra_node", {}).get("wire_bytes", 0)
-        rep.rows.append([name, r["curve"][-1][0], t_target, (base / t_target) if hit and base else "not reached",
+        speedup = (base / t_target) if hit is not None and base else "not reached"
+        rep.rows.append([name, r["curve"][-1][0], t_target, speedup,
                          inter_node_bytes(s) / 1e6, intra / 1e6, r["curve"][-1][1] / r["curve"][-1][0],
                          s["metrics"].get("val_loss")])
     rep.notes.append(f"link: veth pair between two namespaces, tbf {rate} on both ends; measured {measured:.0f} Mbit/s; "
@@ -89,14 +90,5 @@ def run(out: Path, quick: bool = False, rate: str = "") -> Report:
                 "summaries": {k: {"comm": v["summary"]["comm"], "metrics": v["summary"]["metrics"]}
                               for k, v in results.items()}}
 
-    def plot(ax):
-        for name, r in results.items():
-            pts = [(w, loss) for _, w, loss in r["curve"] if w is not None]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=name)
-        ax.axhline(target, color="#888", ls="--", lw=1, label="target")
-        ax.set_xlabel("wall time (s)")
-        ax.set_ylabel("validation loss")
-        ax.legend(fontsize=8)
-
-    rep.write(out, plot)
+    rep.write(out, slowlink.loss_plot(results, target))
     return rep

