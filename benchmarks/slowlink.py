@@ -121,7 +121,6 @@ def read_curve(out: Path) -> list[tuple[int, Optional[float], float]]:
     return curve
 
 
-
 def time_to_target(curve: list, target: float) -> Optional[float]:
     """Wall seconds of the first validation at or below ``target`` (None: never reached)."""
     return next((wall for _, wall, loss in curve if loss <= target and wall is not None), None)
@@ -129,5 +128,67 @@ def time_to_target(curve: list, target: float) -> Optional[float]:
 
 def loss_plot(results: dict, target: float, *, log_time: bool = False):
     """A plot function for :meth:`Report.write`: validation loss against wall time, per strategy."""
+    def plot(ax):
+        for name, r in results.items():
+            pts = [(w, loss) for _, w, loss in r["curve"] if w is not None]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=name)
+        ax.axhline(target, color="#888", ls="--", lw=1, label="target")
+        if log_time:
+            ax.set_xscale("log")
+        ax.set_xlabel("wall time (s, log)" if log_time else "wall time (s)")
+        ax.set_ylabel("validation loss")
+        ax.legend(fontsize=8)
+    return plot
+
+
+def run(out: Path, quick: bool = False, rate: str = "") -> Report:
+    rate = rate or os.environ.get("GRADSYNC_SLOWLINK_RATE", "100mbit")
+    rep = Report("slowlink", f"Two nodes over a {rate} link: chargpt to a target validation loss",
+                 ["strategy", "time to target s", "speedup vs sync", "s / step", "wire MB / rank", "final val_loss"],
+                 command=command_line())
+    why = available()
+    if why:
+        rep.notes.append(f"not run: {why}")
+        rep.write(out)
+        print(f"slowlink: skipped, {why}")
+        return rep
+    steps, val_every = (12, 6) if quick else (160, 16)
+    model = (["--model.n_layer", "1", "--model.n_head", "2", "--model.n_embd", "32", "--model.block_size", "32",
+              "--data.max_chars", "200000", "--data.val_windows", "32", "--batch-size", "8"] if quick else
+             ["--model.n_layer", "2", "--model.n_head", "4", "--model.n_embd", "128", "--model.block_size", "64",
+              "--data.max_chars", "1000000", "--data.val_windows", "64", "--batch-size", "16", "--lr", "0.003",
+              "--model.optimizer", "adamw"])
+    strategies = {k: v for k, v in STRATEGIES.items() if not quick or k in ("sync", "local_sgd period 8")}
+    results = {}
+    try:
+        link_up(rate)
+        measured = measure_link(1.0 if quick else 3.0)
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, extra in strategies.items():
+                results[name] = train(name, extra, steps, val_every, model, Path(tmp))
+    finally:
+        link_down()
+    # target: what sync reaches at the end, relaxed by 2% so strategies that get there count
+    target = results["sync"]["curve"][-1][2] * 1.02
+    base = None
+    for name, r in results.items():
+        s = r["summary"]
+        hit = time_to_target(r["curve"], target)
+        t_target = hit if hit is not None else float("nan")
+        if name == "sync":
+            base = t_target
+        step_s = s.get("median_step_seconds") or float("nan")
+        rep.rows.append([name, t_target, (base / t_target) if hit is not None and base else "not reached", step_s,
+                         s["comm"]["wire_bytes"] / 1e6, s["metrics"].get("val_loss")])
+    rep.notes.append(f"link: veth pair between two namespaces, tbf {rate} on both ends; measured {measured:.0f} "
+                     "Mbit/s with a TCP stream just before the runs.")
+    rep.notes.append(f"target val_loss {target:.3f} = sync's final loss + 2%; {steps} optimizer steps each, validation "
+                     f"every {val_every}; time to target = wall time of the first validation at or below it.")
+    rep.data = {"rate": rate, "measured_mbit": measured, "target": target,
+                "curves": {k: v["curve"] for k, v in results.items()},
+                "summaries": {k: {"comm": v["summary"]["comm"], "metrics": v["summary"]["metrics"],
+                                  "median_step_seconds": v["summary"].get("median_step_seconds")}
+                              for k, v in results.items()}}
+
     rep.write(out, loss_plot(results, target))
     return rep

@@ -3,11 +3,11 @@
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from gradsync.recipes import DigitsClassifier, DigitsData, Recipe
-from gradsync.strategies import AccumulateStrategy, SyncStrategy
+from gradsync.strategies import AccumulateStrategy, LocalSGDStrategy, SyncStrategy
 from harness import fit, max_abs_diff
 
 pytestmark = pytest.mark.timeout(180)
@@ -126,3 +126,36 @@ def test_weighted_loss_gives_exact_global_token_mean_gradient(tmp_path):
     got = {k: ranks[0]["params"][f"lin.{k}"] for k in expected}
     assert max_abs_diff(got, expected) <= 1e-6
     assert max_abs_diff(naive, expected) > 1e-3
+
+
+class AfterFirstStep(Callback):
+    """Each rank's parameters and training bytes right after its first optimizer step."""
+
+    def __init__(self, out):
+        self.out = out
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == 1 and not (self.out / f"first{trainer.global_rank}.pt").exists():
+            torch.save({"params": {k: v.clone() for k, v in pl_module.state_dict().items()},
+                        "wire": trainer.strategy.ledger.wire_bytes},
+                       self.out / f"first{trainer.global_rank}.pt")
+
+
+def test_weighted_loss_on_a_local_step_is_the_ranks_own_token_mean_and_sends_nothing(tmp_path):
+    """A local step (local_sgd between rounds) normalizes by this rank's own weight: no all-reduce."""
+    L.seed_everything(0, verbose=False)
+    model = TokenRegressor(lr=1.0, momentum=0.0)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    fit(model, TokenData(), strategy=LocalSGDStrategy(period=4), devices=2, max_steps=1, accumulate_grad_batches=2,
+        out=tmp_path, callbacks=(AfterFirstStep(tmp_path),))
+    for rank in (0, 1):
+        first = torch.load(tmp_path / f"first{rank}.pt")
+        assert first["wire"] == 0, "a local step sent bytes"
+        ref = TokenRegressor(lr=1.0, momentum=0.0)
+        ref.load_state_dict(init)
+        batches = RANK_BATCHES[rank]
+        total = sum(((ref.lin(x).squeeze(-1) - y) ** 2 * m).sum() for x, y, m in batches)
+        (total / sum(m.sum() for _, _, m in batches)).backward()
+        expected = {k: init[f"lin.{k}"] - p.grad for k, p in ref.lin.named_parameters()}
+        got = {k: first["params"][f"lin.{k}"] for k in expected}
+        assert max_abs_diff(got, expected) <= 1e-6

@@ -6,7 +6,8 @@
   PowerSGD), each returning a Future and never blocking its caller;
 * :mod:`~gradsync.comm.error_feedback` — error feedback as a wrapper around any lossy reducer;
 * :mod:`~gradsync.comm.ddp` — the DDP bucket adapter, the only code that knows ``GradBucket``;
-* :mod:`~gradsync.comm.topology` — the world, intra-node and inter-node process groups.
+* :mod:`~gradsync.comm.topology` — the world, intra-node and inter-node process groups;
+* :mod:`~gradsync.comm.hierarchical` — the node-scoped mean: fp32 inside a node, the codec between nodes.
 
 Strategies (:mod:`gradsync.strategies`) decide *when* to communicate; this package decides *how*.
 A codec is written once and serves DDP buckets, DiLoCo pseudo-gradients, local-SGD parameters and

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from gradsync.errors import GradsyncError
+from gradsync.platform.report import per_node
 
 PLOTS = ("loss_vs_step.png", "loss_vs_wire_bytes.png", "val_vs_wall_time.png")
 
@@ -154,7 +155,7 @@ def comparison_rows(runs: list[RunRecord]) -> list[tuple[str, list[str]]]:
         ("strategy", col(lambda s: s["strategy"])),
         ("options", col(opts)),
         ("recipe", col(lambda s: s["recipe"])),
-        ("processes x nodes", col(lambda s: f"{s['world_size']} x {s['num_nodes']}")),
+        ("processes x nodes", col(lambda s: f"{per_node(s)} x {s['num_nodes']}")),
         ("global batch", col(lambda s: f"{s['global_batch_size']} (K={s.get('accumulation_steps', 1)})")),
         ("optimizer steps", col(lambda s: str(s["global_step"]))),
     ]

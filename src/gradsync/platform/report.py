@@ -29,7 +29,7 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
     rows = [
         ("recipe", summary.get("recipe", "")),
         ("strategy", summary.get("strategy", "")),
-        ("processes x nodes", f"{summary.get('world_size')} x {summary.get('num_nodes')} ({summary.get('backend')}, "
+        ("processes x nodes", f"{per_node(summary)} x {summary.get('num_nodes')} ({summary.get('backend')}, "
                               f"{summary.get('accelerator')})"),
         ("global batch", f"{summary.get('global_batch_size')} = {summary.get('micro_batch_size')} micro-batch x "
                          f"{summary.get('accumulation_steps', 1)} accumulation x {summary.get('world_size')} processes"),
@@ -135,3 +135,11 @@ def print_summary(summary: dict) -> None:
     for k, v in summary_rows(summary):
         table.add_row(k, v)
     console().print(table)
+
+
+def per_node(summary: dict) -> object:
+    """Processes per node (the ``processes x nodes`` row multiplies to the world size)."""
+    world, nodes = summary.get("world_size"), summary.get("num_nodes")
+    if isinstance(world, int) and isinstance(nodes, int) and nodes > 0 and world % nodes == 0:
+        return world // nodes
+    return world

@@ -279,13 +279,20 @@ class GradsyncStrategy(DDPStrategy):
         self.ledger.all_reduce(flag, purpose="control")  # 4 bytes: the ranks agree before anyone steps
         return float(flag.item()) == 0.0
 
+    def averaged_over(self) -> tuple[Optional[Any], int]:
+        """The ranks whose gradients this step's backward averaged: ``(group, size)``; size 1 with
+        group None when the step is local (nothing to ask anyone). Default: every rank."""
+        return None, self.world_size
+
     def _normalize_weighted_gradients(self, optimizer: Any) -> None:
-        # After backward, DDP holds mean_r( sum_mb w*grad(mean_mb) / K ). Multiply by K*N / W.
+        # After backward the gradient holds mean over the n averaged ranks of sum_mb w*grad(mean_mb) / K:
+        # multiply by K*n / W, W the weight summed over those ranks. A local step asks no one.
+        group, n = self.averaged_over()
         total = torch.tensor([self._weight_sum], dtype=torch.float64)
-        if dist.is_available() and dist.is_initialized() and self.world_size > 1:
+        if n > 1 and dist.is_available() and dist.is_initialized():
             total = total.to(self.root_device)
-            self.ledger.all_reduce(total)
-        scale = self.accumulation_steps * self.world_size / float(total.item())
+            self.ledger.all_reduce(total, group=group, scope="world" if group is None else "intra_node")
+        scale = self.accumulation_steps * n / float(total.item())
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is not None:

@@ -320,6 +320,13 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
             self._after_local_step(self.steps.local_steps)
         return output
 
+    def averaged_over(self) -> tuple[Optional[Any], int]:
+        if self.steps.in_warmup:  # read during the step's closure, before the count moves on
+            return super().averaged_over()
+        if self.scope == "node" and self.topology is not None:
+            return self.topology.intra, self.topology.procs_per_node
+        return None, 1  # a local step: the gradient is this rank's own
+
     def on_train_end(self) -> None:
         self.finish()
         super().on_train_end()
