@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from gradsync.cli.main import main
+
 pytestmark = pytest.mark.timeout(240)
 
 PROBE = '''
@@ -57,3 +59,16 @@ def test_plain_datamodule_is_split_across_processes_and_no_validation_is_fine(tm
     assert not set(seen[0]) & set(seen[1]), "both ranks trained on the same samples"
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["global_step"] == 4
+    # the batch size is the train loader's (the DataModule has no batch_size attribute)
+    assert summary["micro_batch_size"] == 4 and summary["global_batch_size"] == 8
+    assert summary["samples_per_second"] > 0
+
+
+def test_global_batch_size_without_a_batch_size_attribute_is_one_line(tmp_path, monkeypatch, capsys):
+    (tmp_path / "probe.py").write_text(PROBE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code = main(["fit", "--model", "probe.Probe", "--data", "probe.ProbeData", "--strategy", "accumulate",
+                 "--global-batch-size", "8", "--accelerator", "cpu"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err, err
+    assert "--global-batch-size 8 needs the micro-batch size" in err and "`batch_size` attribute" in err

@@ -2,7 +2,7 @@
 
 Tiny model sizes keep each fit near a second. Under sync, 2 processes x batch b must equal
 1 process x batch 2b for the recipes without batch norm (the data-order contract and, for chargpt,
-the per-token loss weight); cifar10's batch norm keeps per-process statistics, so it is only run.
+the per-token loss weight); cifar10's batch norm keeps per-process statistics between rounds (checked below).
 """
 
 import math
@@ -114,3 +114,16 @@ def test_chargpt_loss_falls_and_the_model_writes_from_its_vocabulary(tmp_path):
     assert after < before - 1.0, f"validation loss only went from {before:.3f} to {after:.3f}"
     text = model.sample("def ", 80, seed=0)
     assert len(text) == 80 and set(text) <= set(data.vocab)
+
+
+@pytest.mark.parametrize("strategy", ["local_sgd", "diloco"])
+def test_batch_norm_statistics_agree_after_rounds_unless_kept_local(tmp_path, strategy):
+    """cifar10's ResNet keeps BatchNorm statistics; rounds average them (average_buffers, the default)."""
+    def buffers(average):
+        _, ranks = run("cifar10", tmp_path / str(average), strategy=strategy,
+                       options={"period": 2, "average_buffers": average}, devices=2, batch=2)
+        return [{k: v for k, v in r["params"].items() if k.endswith(("running_mean", "running_var"))}
+                for r in ranks]
+    averaged, local = buffers(True), buffers(False)
+    assert averaged[0] and max_abs_diff(averaged[0], averaged[1]) <= 1e-6  # the round at step 4 averaged them
+    assert max_abs_diff(local[0], local[1]) > 1e-4  # each rank's own data: they differ when kept local

@@ -75,6 +75,10 @@ def accumulation_steps(global_batch: Optional[int], micro_batch: int, world_size
     """K = G / (b*N), the micro-batches per optimizer step; a clear error when G does not fit."""
     if global_batch is None:
         return 1
+    if micro_batch <= 0:
+        raise GradsyncError(
+            f"--global-batch-size {global_batch} needs the micro-batch size, and this DataModule has no "
+            "`batch_size` attribute; give it one (the per-process batch size its train loader uses)")
     unit = micro_batch * world_size
     if global_batch < 1 or global_batch % unit != 0:
         valid = ", ".join(str(unit * k) for k in (1, 2, 4, 8))
@@ -82,6 +86,17 @@ def accumulation_steps(global_batch: Optional[int], micro_batch: int, world_size
             f"--global-batch-size {global_batch} must be a positive multiple of batch size {micro_batch} x "
             f"{world_size} processes = {unit}; valid values include {valid}")
     return global_batch // unit
+
+
+def micro_batch_of(data: Any, trainer: Optional[L.Trainer] = None) -> int:
+    """The per-process micro-batch: the DataModule's ``batch_size``, else (after fit) its train loader's."""
+    size = getattr(data, "batch_size", None)
+    if not size and trainer is not None:
+        try:
+            size = getattr(trainer.train_dataloader, "batch_size", None)
+        except Exception:  # no loader was built (e.g. validate only)
+            size = None
+    return int(size or 0)
 
 
 def batch_arithmetic(global_batch: int, micro: int, k: int, world: int) -> str:
@@ -321,7 +336,7 @@ def build_summary(spec: RunSpec, trainer: L.Trainer, model: Any, data: Any, cloc
         if k.startswith(("val_", "test_")) and k not in metrics:
             metrics[k] = _num(v)
     world = trainer.world_size
-    micro = int(getattr(data, "batch_size", 0) or 0)
+    micro = micro_batch_of(data, trainer)
     k = int(trainer.accumulate_grad_batches)
     global_batch = micro * world * k
     steps = trainer.global_step - clock.start_step
