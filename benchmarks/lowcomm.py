@@ -35,11 +35,6 @@ STRATEGIES = {
 }
 QUICK = ("sync", "diloco H=100 int8")
 
-MODEL = ["--model.n_layer", "2", "--model.n_head", "4", "--model.n_embd", "128", "--model.block_size", "64",
-         "--data.max_chars", "1000000", "--data.val_windows", "64", "--batch-size", "16", "--lr", "0.003",
-         "--model.optimizer", "adamw"]
-QUICK_MODEL = ["--model.n_layer", "1", "--model.n_head", "2", "--model.n_embd", "32", "--model.block_size", "32",
-               "--data.max_chars", "200000", "--data.val_windows", "32", "--batch-size", "8"]
 
 
 def compute_reference(steps: int, val_every: int, model: list[str], tmp: Path) -> float:
@@ -70,13 +65,9 @@ def run(out: Path, quick: bool = False, rate: str = "") -> Report:
                  ["strategy", "steps", "time to target s", "speedup vs sync", "utilization", "wire MB / rank",
                   "bytes / step vs sync", "peak KB / sync", "final val_loss"],
                  command=command_line())
-    why = slowlink.available()
-    if why:
-        rep.notes.append(f"not run: {why}")
-        rep.write(out)
-        print(f"lowcomm: skipped, {why}")
+    if slowlink.skipped(rep, out):
         return rep
-    model, val_every = (QUICK_MODEL, 4) if quick else (MODEL, 16)
+    model, val_every = (slowlink.QUICK_MODEL, 4) if quick else (slowlink.MODEL, 16)
     plan = {k: (flags, 8 if quick else steps) for k, (flags, steps) in STRATEGIES.items() if not quick or k in QUICK}
     if quick:
         plan = {k: ([f if f != "100" else "4" for f in flags], steps) for k, (flags, steps) in plan.items()}

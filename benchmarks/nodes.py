@@ -40,17 +40,10 @@ def run(out: Path, quick: bool = False, rate: str = "") -> Report:
     rep = Report("nodes", f"Two nodes x two processes over a {rate} link (loopback inside a node): chargpt",
                  ["strategy", "steps", "time to target s", "speedup vs sync", "inter-node MB / process",
                   "intra-node MB / process", "s / step", "final val_loss"], command=command_line())
-    why = slowlink.available()
-    if why:
-        rep.notes.append(f"not run: {why}")
-        rep.write(out)
-        print(f"nodes: skipped, {why}")
+    if slowlink.skipped(rep, out):
         return rep
-    model = (["--model.n_layer", "1", "--model.n_head", "2", "--model.n_embd", "32", "--model.block_size", "32",
-              "--data.max_chars", "200000", "--data.val_windows", "32", "--batch-size", "8"] if quick else
-             ["--model.n_layer", "2", "--model.n_head", "4", "--model.n_embd", "128", "--model.block_size", "64",
-              "--data.max_chars", "1000000", "--data.val_windows", "64", "--batch-size", "8", "--lr", "0.003",
-              "--model.optimizer", "adamw"])
+    # four processes share the machine: half slowlink's per-process batch keeps the global batch at 32
+    model = slowlink.QUICK_MODEL if quick else slowlink.with_batch(slowlink.MODEL, 8)
     steps, val_every = (8, 4) if quick else (160, 16)
     plan = {k: v for k, v in STRATEGIES.items() if not quick or k in QUICK}
     if quick:

@@ -38,6 +38,30 @@ STRATEGIES = {
 }
 
 
+#: The chargpt model every link suite trains (quick: seconds; full: 0.4M parameters, AdamW).
+QUICK_MODEL = ["--model.n_layer", "1", "--model.n_head", "2", "--model.n_embd", "32", "--model.block_size", "32",
+               "--data.max_chars", "200000", "--data.val_windows", "32", "--batch-size", "8"]
+MODEL = ["--model.n_layer", "2", "--model.n_head", "4", "--model.n_embd", "128", "--model.block_size", "64",
+         "--data.max_chars", "1000000", "--data.val_windows", "64", "--batch-size", "16", "--lr", "0.003",
+         "--model.optimizer", "adamw"]
+
+
+def with_batch(model: list[str], batch: int) -> list[str]:
+    """``model``'s flags with another per-process batch size."""
+    i = model.index("--batch-size")
+    return [*model[:i + 1], str(batch), *model[i + 2:]]
+
+
+def skipped(rep: Report, out: Path) -> bool:
+    """Write ``rep`` saying why the suite cannot run here, if it cannot; True then."""
+    why = available()
+    if why:
+        rep.notes.append(f"not run: {why}")
+        rep.write(out)
+        print(f"{rep.suite}: skipped, {why}")
+    return bool(why)
+
+
 def available() -> Optional[str]:
     """None when the suite can run here, else why not."""
     if os.geteuid() != 0:
@@ -146,18 +170,10 @@ def run(out: Path, quick: bool = False, rate: str = "") -> Report:
     rep = Report("slowlink", f"Two nodes over a {rate} link: chargpt to a target validation loss",
                  ["strategy", "time to target s", "speedup vs sync", "s / step", "wire MB / rank", "final val_loss"],
                  command=command_line())
-    why = available()
-    if why:
-        rep.notes.append(f"not run: {why}")
-        rep.write(out)
-        print(f"slowlink: skipped, {why}")
+    if skipped(rep, out):
         return rep
     steps, val_every = (12, 6) if quick else (160, 16)
-    model = (["--model.n_layer", "1", "--model.n_head", "2", "--model.n_embd", "32", "--model.block_size", "32",
-              "--data.max_chars", "200000", "--data.val_windows", "32", "--batch-size", "8"] if quick else
-             ["--model.n_layer", "2", "--model.n_head", "4", "--model.n_embd", "128", "--model.block_size", "64",
-              "--data.max_chars", "1000000", "--data.val_windows", "64", "--batch-size", "16", "--lr", "0.003",
-              "--model.optimizer", "adamw"])
+    model = QUICK_MODEL if quick else MODEL
     strategies = {k: v for k, v in STRATEGIES.items() if not quick or k in ("sync", "local_sgd period 8")}
     results = {}
     try:
