@@ -201,3 +201,27 @@ def test_print_config_round_trips_through_config(tmp_path, capsys):
     # a flag after --config wins over the file
     spec = parse_run("fit", ["--config", str(cfg), "--lr", "0.3"])
     assert spec.model_options["lr"] == 0.3
+
+
+def test_time_figures_are_cumulative_across_resumes(tmp_path):
+    """Training time, samples/s and the communication share count every attempt of the run, so a
+    resume neither divides the run's communication by one attempt's time nor resets the throughput."""
+    out = tmp_path / "run"
+    args = ["fit", "--recipe", "digits", "--strategy", "sync", "--accelerator", "cpu", "--output-dir", str(out)]
+
+    def summary_after(*extra):
+        assert main([*args, *extra]) == 0
+        return json.loads((out / "summary.json").read_text())
+
+    first = summary_after("--max-steps", "6")
+    second = summary_after("--max-steps", "12", "--resume", "auto")
+    again = summary_after("--max-steps", "12", "--resume", "auto")  # a finished run: no step runs
+    assert (first["global_step"], second["global_step"], again["global_step"]) == (6, 12, 12)
+    assert second["train_seconds"] > first["train_seconds"] > 0
+    for s in (first, second, again):
+        assert s["comm_time_share"] == pytest.approx(s["comm"]["seconds"] / s["train_seconds"], rel=0.01, abs=1e-4)
+        assert 0 < s["comm_time_share"] < 1
+        assert s["samples_per_second"] == pytest.approx(s["global_step"] * 32 / s["train_seconds"], rel=0.01)
+    assert again["train_seconds"] == pytest.approx(second["train_seconds"], abs=2e-3)
+    assert again["comm_time_share"] == pytest.approx(second["comm_time_share"], abs=2e-3)
+    assert again["samples_per_second"] == pytest.approx(second["samples_per_second"], rel=0.01)

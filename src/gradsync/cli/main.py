@@ -404,6 +404,9 @@ def cmd_run(command: str, argv: list[str]) -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("WANDB_SILENT", "true")
+    import time
+
+    os.environ.setdefault("GRADSYNC_STARTED_AT", repr(time.time()))  # run.STARTED_AT_ENV: the command's wall time
     from gradsync.errors import GradsyncError
 
     try:

@@ -30,20 +30,21 @@ def step_stats(metrics: dict) -> str:
     loss = _num(metrics.get("train_loss"))
     if loss is not None:
         parts.append(f"train_loss {loss:.4f}")
-    sps = _num(metrics.get("train_samples_per_sec"))
+    sps = _num(metrics.get("perf/samples_per_second"))
     if sps is not None:
         parts.append(f"samples/s {sps:,.0f}")
     tps = _num(metrics.get("train_tokens_per_sec"))
     if tps is not None:
         parts.append(f"tokens/s {tps:,.0f}")
-    share = _num(metrics.get("comm/time_share"))
+    share = _num(metrics.get("comm/run_time_share"))
     if share is not None:
         parts.append(f"comm {100 * share:.1f}%")
     return "  ".join(parts)
 
 
 class GradsyncProgressBar(ProgressBar):
-    """rich progress bar on a terminal, plain text lines elsewhere; rank 0 only.
+    """rich progress bar on a terminal, plain text lines elsewhere; on global rank 0, and (step lines
+    only, marked ``[node N]``) on the first process of every other node.
 
     Args:
         live: ``True`` for the rich bar, ``False`` for plain lines, ``None`` to decide by whether
@@ -62,6 +63,7 @@ class GradsyncProgressBar(ProgressBar):
         self._total: Optional[int] = None
         self._every = 1
         self._last_printed = -1
+        self._prefix = ""
 
     # ---- ProgressBar interface ----
     def disable(self) -> None:
@@ -79,7 +81,12 @@ class GradsyncProgressBar(ProgressBar):
         return bool(self._live)
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
+        super().setup(trainer, pl_module, stage)  # (disables itself on every rank but global rank 0)
+        if trainer.local_rank == 0 and trainer.node_rank > 0:
+            # Every node shows that it trains: its first process prints the step lines, marked.
+            self._prefix = f"[node {trainer.node_rank}] "
+            self._live = False
+            self.enable()
         from rich.console import Console
 
         self._console = Console()
@@ -108,7 +115,10 @@ class GradsyncProgressBar(ProgressBar):
         if not self._enabled:
             return
         step = trainer.global_step
-        stats = step_stats(trainer.callback_metrics)
+        from gradsync.platform.tracking import telemetry_of
+
+        telemetry = telemetry_of(trainer)
+        stats = step_stats({**trainer.callback_metrics, **(telemetry.latest if telemetry is not None else {})})
         if self._progress is not None:
             self._progress.update(self._task, completed=step, stats=stats)
             return
@@ -119,7 +129,7 @@ class GradsyncProgressBar(ProgressBar):
             self._print(f"step {step}{total}  {stats}".rstrip())
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
-        if not self._enabled or trainer.sanity_checking:
+        if not self._enabled or trainer.sanity_checking or self._prefix:
             return
         vals = {k: _num(v) for k, v in trainer.callback_metrics.items() if k.startswith("val_")}
         text = "  ".join(f"{k} {v:.4f}" for k, v in sorted(vals.items()) if v is not None)
@@ -141,7 +151,7 @@ class GradsyncProgressBar(ProgressBar):
             self._progress.console.print(text, markup=False, highlight=False)
         else:
             # plain print: no rich markup, highlighting or line wrapping in CI logs
-            print(text, flush=True)
+            print(self._prefix + text, flush=True)
 
     def _stop(self) -> None:
         if self._progress is not None:

@@ -42,8 +42,9 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         ("compression ratio", _fmt(comm.get("compression_ratio"))),
         ("peak bytes in one sync", _fmt_exact_bytes(comm.get("peak_sync_bytes"))),
         ("collectives", _fmt(comm.get("collectives"))),
-        ("communication time", _comm_time(comm.get("seconds"), summary.get("train_seconds"))),
-        ("wall time", f"{_fmt(summary.get('wall_seconds'))} s"),
+        ("communication time", _comm_time(comm.get("seconds"), summary.get("comm_time_share"))),
+        ("training time", f"{_fmt(summary.get('train_seconds'))} s (optimizer steps, since the run first started)"),
+        ("wall time", f"{_fmt(summary.get('wall_seconds'))} s (this command, start-up included)"),
         ("samples/s", _fmt(summary.get("samples_per_second"))),
     ]
     for scope, t in (comm.get("by_scope") or {}).items():
@@ -84,12 +85,12 @@ def _fmt_exact_bytes(n: Any) -> str:
     return f"{_fmt_bytes(n)} ({int(n):,} B)"
 
 
-def _comm_time(seconds: Any, train_seconds: Any) -> str:
+def _comm_time(seconds: Any, share: Any) -> str:
     if seconds is None:
         return "n/a"
     text = f"{float(seconds):.3g} s"
-    if train_seconds:
-        text += f" ({100 * float(seconds) / float(train_seconds):.1f}% of training time, in flight)"
+    if share is not None:
+        text += f" ({100 * float(share):.1f}% of training time, in flight)"
     return text
 
 

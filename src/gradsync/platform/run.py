@@ -149,7 +149,6 @@ class _RunClock(Callback):
 
     def __init__(self) -> None:
         self.fit_start: Optional[float] = None
-        self.fit_seconds = 0.0
         self.start_step = 0
         self.last_val_step = -1
         self.train_metrics: dict = {}
@@ -174,10 +173,6 @@ class _RunClock(Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         self.start_step = trainer.global_step
-
-    def on_fit_end(self, trainer, pl_module) -> None:
-        if self.fit_start is not None:
-            self.fit_seconds = time.perf_counter() - self.fit_start
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if not trainer.sanity_checking:
@@ -251,7 +246,11 @@ def build_trainer(spec: RunSpec, strategy: Union[Strategy, str], clock: _RunCloc
 # ---- running --------------------------------------------------------------------------------
 def execute(spec: RunSpec) -> dict:
     """Run ``spec.command`` and return the run summary (also written to ``DIR/summary.json``)."""
-    t0 = time.perf_counter()
+    from gradsync.platform.quiet import quiet_run
+
+    quiet_run()
+    t0 = time.time()
+    started = float(os.environ.get(STARTED_AT_ENV, t0))  # when the command started (the launcher sets it)
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0 and spec.resume is None:
         # torchrun restarted the group after a worker died: continue from the last checkpoint
         spec.resume = "auto"
@@ -285,7 +284,7 @@ def execute(spec: RunSpec) -> dict:
     else:
         trainer.test(model, datamodule=data, ckpt_path=str(ckpt) if ckpt else None, verbose=False)
 
-    summary = build_summary(spec, trainer, model, data, clock, time.perf_counter() - t0, resumed_from)
+    summary = build_summary(spec, trainer, model, data, clock, time.time() - min(started, t0), resumed_from)
     if trainer.is_global_zero:
         from gradsync.platform.tracking import finish_tracking
 
@@ -326,6 +325,11 @@ def _teardown() -> None:
         dist.destroy_process_group()
 
 
+#: Set by the ``gradsync`` command (seconds since the epoch) so every process of a launched run
+#: reports the command's wall time, start-up and launch included.
+STARTED_AT_ENV = "GRADSYNC_STARTED_AT"
+
+
 def build_summary(spec: RunSpec, trainer: L.Trainer, model: Any, data: Any, clock: _RunClock,
                   wall_seconds: float, resumed_from: Optional[int]) -> dict:
     strategy = trainer.strategy
@@ -339,7 +343,12 @@ def build_summary(spec: RunSpec, trainer: L.Trainer, model: Any, data: Any, cloc
     micro = micro_batch_of(data, trainer)
     k = int(trainer.accumulate_grad_batches)
     global_batch = micro * world * k
-    steps = trainer.global_step - clock.start_step
+    from gradsync.platform.tracking import telemetry_of
+
+    telemetry = telemetry_of(trainer)
+    train_seconds = telemetry.train_seconds if telemetry is not None else 0.0
+    sps = telemetry.samples_per_second() if telemetry is not None else None
+    share = telemetry.comm_share(trainer) if telemetry is not None else None
     ledger = getattr(strategy, "ledger", None)
     comm = ledger.summary() if ledger is not None else {
         "wire_bytes": None, "logical_bytes": None, "compression_ratio": None, "seconds": None, "collectives": None}
@@ -373,8 +382,9 @@ def build_summary(spec: RunSpec, trainer: L.Trainer, model: Any, data: Any, cloc
         "metrics": metrics,
         "comm": comm,
         "wall_seconds": round(wall_seconds, 3),
-        "train_seconds": round(clock.fit_seconds, 3),
-        "samples_per_second": round(steps * global_batch / clock.fit_seconds, 2) if clock.fit_seconds else None,
+        "train_seconds": round(train_seconds, 3),
+        "samples_per_second": round(sps, 2) if sps else None,
+        "comm_time_share": round(share, 4) if share is not None else None,
         "median_step_seconds": clock.median_step_seconds,
         "steady_samples_per_second": (round(global_batch / clock.median_step_seconds, 2)
                                       if clock.median_step_seconds else None),

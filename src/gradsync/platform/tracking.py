@@ -12,7 +12,9 @@ What is recorded, from rank 0 only:
 * every metric the recipe logs (with its throughput, ``train_samples_per_sec`` and, for recipes
   that count tokens, ``train_tokens_per_sec``), and per optimizer step the ``comm/*`` ledger (wire
   and logical bytes, compression ratio, seconds, collectives) with ``comm/time_share``, the share of
-  the step's wall time spent communicating (see :class:`RunTelemetry`);
+  the step's wall time spent communicating, and the run's own throughput and communication share
+  (``perf/samples_per_second``, ``comm/run_time_share``: the figures the progress line and the
+  summary show, see :class:`RunTelemetry`);
 * the final run summary (``summary.json``) as the W&B run summary.
 
 The W&B run id is stored in ``DIR/wandb_run_id``: a resumed run or a torchrun restart continues the
@@ -37,6 +39,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 from urllib.parse import urlparse
 
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
@@ -305,27 +308,42 @@ def _scalar(v: Any) -> Optional[float]:
 
 
 class RunTelemetry(Callback):
-    """Logs the run config once, and per optimizer step its timing and communication share.
+    """The one source of a run's time and throughput figures, and its per-step telemetry.
 
-    (Samples/s and tokens/s are the recipe's to count: ``train_samples_per_sec``,
-    ``train_tokens_per_sec``, see :class:`~gradsync.recipes.Recipe`.)
+    The progress line, the text summary, ``summary.json``, the loggers (CSV, W&B) and
+    ``gradsync compare`` all read these figures from here, so they agree:
 
+    * ``perf/samples_per_second``: samples trained (optimizer steps x global batch) over training
+      time, both counted since the run first started (carried across resumes in the checkpoint).
+      Training time is the time of optimizer steps: validation and checkpoint writes at the end of
+      a step interval are inside it, start-up (imports, rendezvous, the first data loader) is not.
+    * ``comm/run_time_share``: the ledger's communication seconds over that training time, since
+      the run first started (the ledger is checkpointed too, so a resume does not change it).
+    * ``comm/time_share``: the same for the last optimizer step alone.
     * ``perf/step_seconds``: wall time of the optimizer step (all its micro-batches; validation
       excluded).
-    * ``comm/time_share``: the ledger's communication seconds over the step's wall time. For
-      collectives that overlap the backward pass (DDP buckets, overlapped averaging rounds), the
-      ledger counts time in flight, so this is an upper bound on the share the step spent waiting.
-    * ``time/wall_seconds``: training wall time since the run first started, carried across
-      resumes through the checkpoint (downtime between attempts excluded).
+    * ``time/wall_seconds``: training wall time since the run first started (downtime between
+      attempts excluded).
+    * ``train_loss``: logged here from what ``training_step`` returned (the tensor, or its
+      ``"loss"``), as Lightning finds the loss, when the module does not log ``train_loss`` itself.
+
+    For collectives that overlap the backward pass (DDP buckets, overlapped averaging rounds), the
+    ledger counts time in flight, so the shares are upper bounds on time spent waiting.
     """
 
-    def __init__(self, spec: Any) -> None:
+    def __init__(self, spec: Any = None) -> None:
         self.spec = spec
         self.wall_offset = 0.0  # training wall time of earlier attempts (from the checkpoint)
+        self.train_offset = 0.0  # training (step) seconds of earlier attempts
+        self.samples_offset = 0  # samples trained in earlier attempts
+        self.train_seconds_now = 0.0  # this attempt's
+        self.samples_now = 0
         self._fit_start: Optional[float] = None
         self._t: Optional[float] = None
         self._step = 0
         self._comm = 0.0
+        self._global_batch = 0
+        self._log_loss: Optional[bool] = None
         self.latest: dict[str, float] = {}
         self._config_logged = False
 
@@ -334,17 +352,38 @@ class RunTelemetry(Callback):
         return "gradsync.RunTelemetry"
 
     def state_dict(self) -> dict:
-        return {"wall_seconds": self.wall_seconds()}
+        return {"wall_seconds": self.wall_seconds(), "train_seconds": self.train_seconds, "samples": self.samples}
 
     def load_state_dict(self, state: dict) -> None:
         self.wall_offset = float(state.get("wall_seconds", 0.0))
+        self.train_offset = float(state.get("train_seconds", 0.0))
+        self.samples_offset = int(state.get("samples", 0))
 
     def wall_seconds(self) -> float:
         return self.wall_offset + (time.perf_counter() - self._fit_start if self._fit_start is not None else 0.0)
 
+    @property
+    def train_seconds(self) -> float:
+        """Training seconds since the run first started."""
+        return self.train_offset + self.train_seconds_now
+
+    @property
+    def samples(self) -> int:
+        """Samples trained since the run first started."""
+        return self.samples_offset + self.samples_now
+
+    def samples_per_second(self) -> Optional[float]:
+        return self.samples / self.train_seconds if self.train_seconds > 0 else None
+
+    def comm_share(self, trainer: Any) -> Optional[float]:
+        ledger = _ledger(trainer)
+        if ledger is None or self.train_seconds <= 0:
+            return None
+        return float(ledger.seconds) / self.train_seconds
+
     # ---- config ----
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if self._config_logged or not trainer.loggers:
+        if self._config_logged or not trainer.loggers or self.spec is None:
             return
         self._config_logged = True
         config = resolved_config(self.spec, trainer)
@@ -354,7 +393,11 @@ class RunTelemetry(Callback):
 
     # ---- timing ----
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        from gradsync.platform.run import micro_batch_of
+
         self._fit_start = time.perf_counter()
+        micro = micro_batch_of(trainer.datamodule, trainer)
+        self._global_batch = micro * trainer.world_size * int(trainer.accumulate_grad_batches)
         self._mark(trainer)
 
     def _mark(self, trainer: Any) -> None:
@@ -368,18 +411,34 @@ class RunTelemetry(Callback):
             self._mark(trainer)  # throughput counts training steps only
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self._log_loss is None:  # decided at the first batch: does the module log train_loss itself?
+            self._log_loss = "train_loss" not in trainer.callback_metrics
+        if self._log_loss:
+            loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+            if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+                pl_module.log("train_loss", loss.detach().float(), on_step=True, on_epoch=False)
         if self._t is None or trainer.global_step == self._step:
             return  # still accumulating micro-batches of this optimizer step
         now = time.perf_counter()
         dt = max(now - self._t, 1e-9)
         steps = trainer.global_step - self._step
+        self.train_seconds_now += dt
+        self.samples_now += steps * self._global_batch
         ledger = _ledger(trainer)
         metrics = {"perf/step_seconds": dt / steps, "time/wall_seconds": self.wall_seconds()}
+        sps = self.samples_per_second()
+        if sps is not None and self._global_batch:
+            metrics["perf/samples_per_second"] = sps
         if ledger is not None:
             metrics["comm/time_share"] = (float(ledger.seconds) - self._comm) / dt
+            metrics["comm/run_time_share"] = self.comm_share(trainer)
         self.latest = metrics
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
         self._mark(trainer)
+
+
+def telemetry_of(trainer: Any) -> Optional[RunTelemetry]:
+    return next((cb for cb in trainer.callbacks if isinstance(cb, RunTelemetry)), None)
 
 
 # ---- the end of a run ------------------------------------------------------------------------

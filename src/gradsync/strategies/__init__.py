@@ -20,6 +20,11 @@ from gradsync.strategies.async_ps import AsyncPSStrategy
 #: Every gradsync strategy, by registry name. One name per idea; variants are options.
 STRATEGIES: dict[str, type[GradsyncStrategy]] = {cls.strategy_name: cls for cls in (SyncStrategy, AccumulateStrategy, LocalSGDStrategy, DiLoCoStrategy, CompressedStrategy, AsyncPSStrategy)}
 
+import warnings  # noqa: E402
+
+# The periodic strategies pass broadcast_buffers=False on purpose (see gradsync.platform.quiet): the
+# deprecation torch prints for it, once per process, is not for the user to act on.
+warnings.filterwarnings("ignore", message=r"`broadcast_buffers` is deprecated")
 for _cls in STRATEGIES.values():
     _cls.register_strategies(StrategyRegistry)
 
