@@ -7,7 +7,7 @@ export OMP_NUM_THREADS ?= 1
 export WANDB_MODE ?= offline
 export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: setup demo test test-fast docs clean
+.PHONY: setup demo test test-fast test-exit docs clean
 
 setup: $(VENV)/.installed
 
@@ -29,6 +29,10 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q tests
 	$(VENV)/bin/mkdocs build --strict -q -d /tmp/gradsync-site
+
+# Twenty plain-Lightning scripts per strategy, each must exit 0 (a soak of the exit-time teardown).
+test-exit: setup
+	GRADSYNC_EXIT_RUNS=20 $(PY) -m pytest -q tests/cli/test_plain_trainer_exit.py
 
 test-fast: setup
 	$(PY) -m pytest -q tests/unit

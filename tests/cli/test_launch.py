@@ -33,6 +33,8 @@ def test_two_nodes_on_localhost_train_and_agree(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["num_nodes"] == 2
     assert summary["global_step"] == 10 and summary["ranks_agree"] is True
+    assert "[node 1] step 10/10" in logs[1], logs[1][-2000:]  # every node shows that it trains
+    assert "[node 1]" not in logs[0] and "step 10/10" in logs[0]
 
 
 SLURM_ENV = {
@@ -82,3 +84,23 @@ def test_print_launch_gives_per_node_torchrun_and_sbatch(capsys, monkeypatch):
     assert "#SBATCH --nodes=2" in out and "#SBATCH --ntasks-per-node=4" in out
     srun = [line for line in out.splitlines() if line.startswith("srun ")][0]
     assert "--master-addr" not in srun and "--print-launch" not in srun and "--max-steps 100" in srun
+
+
+def test_several_nodes_without_a_master_address_are_warned_in_one_line(capsys, monkeypatch):
+    for var in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    assert main(["fit", "--recipe", "digits", "--nnodes", "2", "--print-launch"]) == 0
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("gradsync: warning: --nnodes 2 without --master-addr"), err
+    assert main(["fit", "--recipe", "digits", "--nnodes", "2", "--master-addr", "10.0.0.1", "--print-launch"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_a_node_whose_node_zero_never_comes_fails_in_one_line(capsys, monkeypatch):
+    for var in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    port = free_port()
+    assert main(["fit", "--recipe", "digits", "--accelerator", "cpu", "--nnodes", "2", "--node-rank", "1",
+                 "--master-addr", "127.0.0.1", "--master-port", str(port), "--timeout", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"node 0 did not answer at 127.0.0.1:{port} within 2 s" in err, err

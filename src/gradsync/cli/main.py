@@ -37,6 +37,51 @@ COMMANDS = ("fit", "validate", "test")
 ALIASES = {"--lr": ("model", "lr"), "--batch-size": ("data", "batch_size"), "--batch_size": ("data", "batch_size")}
 
 
+# Run flags: (spellings, argparse keywords); the first spelling is the parser key.
+RUN_FLAGS: list[tuple[tuple[str, ...], dict]] = [
+    (("--accelerator",), dict(type=str, default="auto", help="cpu | gpu | auto")),
+    (("--devices",), dict(type=int, default=1,
+          help="processes per node (GPUs, or CPU processes)")),
+    (("--num_nodes", "--num-nodes", "--nnodes"), dict(type=int, default=1,
+          help="number of nodes (flag > default 1); under srun, SLURM's node count")),
+    (("--node_rank", "--node-rank"), dict(type=Optional[int], default=None,
+          help="this node's rank, 0..nnodes-1 (flag > $NODE_RANK > 0)")),
+    (("--master_addr", "--master-addr"), dict(type=Optional[str], default=None,
+          help="rendezvous host (flag > $MASTER_ADDR > 127.0.0.1)")),
+    (("--master_port", "--master-port"), dict(type=Optional[int], default=None,
+          help="rendezvous port (flag > $MASTER_PORT > a free port on one node, 29500 on several)")),
+    (("--max_restarts", "--max-restarts"), dict(type=int, default=0,
+          help="restart the process group this many times after a worker dies; training resumes from the output "
+               "dir's last checkpoint (flag > default 0)")),
+    (("--rdzv_backend", "--rdzv-backend"), dict(type=Literal["static", "c10d"], default="static",
+          help="static: --master-addr/--node-rank; c10d: elastic rendezvous at --master-addr:--master-port")),
+    (("--rdzv_id", "--rdzv-id"), dict(type=Optional[str], default=None,
+          help="c10d rendezvous id, the same on every node (flag > $SLURM_JOB_ID > 'gradsync')")),
+    (("--val_every", "--val-every"), dict(type=int, default=0,
+          help="validate every N optimizer steps (default 0: at the end of each epoch)")),
+    (("--timeout",), dict(type=Optional[float], default=None,
+          help="seconds a rank waits for a peer (rendezvous and every collective) before the run fails on every "
+               "rank (flag > --strategy.timeout_seconds > 1800)")),
+    (("--print_launch", "--print-launch"), dict(action="store_true",
+          help="print the per-node torchrun commands and an sbatch script, then exit")),
+    (("--max_steps", "--max-steps"), dict(type=int, default=-1,
+          help="stop after this many optimizer steps")),
+    (("--max_epochs", "--max-epochs"), dict(type=Optional[int], default=None,
+          help="stop after this many epochs")),
+    (("--seed",), dict(type=int, default=0,
+          help="seed of model init and data order")),
+    (("--output_dir", "--output-dir"), dict(type=Optional[str], default=None,
+          help="where summary.json and checkpoints/last.ckpt go")),
+    (("--resume",), dict(type=Optional[str], default=None,
+          help="checkpoint to resume from, or 'auto' for the output dir's last.ckpt if it exists")),
+    (("--global_batch_size", "--global-batch-size"), dict(type=Optional[int], default=None,
+          help="samples per optimizer step across all processes; accumulation K = G / (batch size x processes) "
+               "is derived (default: batch size x processes, K = 1)")),
+    (("--checkpoint_every", "--checkpoint-every"), dict(type=int, default=0,
+          help="also save last.ckpt every N optimizer steps (0: at epoch ends and at the end)")),
+]
+
+
 class UsageError(Exception):
     """Bad command-line input: printed as one line, exit status 2."""
 
@@ -114,10 +159,11 @@ def import_class(path: str, flag: str, base: type) -> type:
 
 
 def _selectors(argv: Sequence[str]) -> dict[str, Any]:
-    from gradsync.recipes import RECIPES
+    from gradsync import catalog
 
     sel = {"recipe": "digits", "strategy": "sync", "model_class": None, "data_class": None}
-    sel.update(_from_configs(argv))
+    configured = _from_configs(argv)
+    sel.update(configured)
     flags = _scan(argv, ("--recipe", "--strategy", "--model", "--data"))
     if "--recipe" in flags:
         sel["recipe"] = flags["--recipe"]
@@ -127,18 +173,65 @@ def _selectors(argv: Sequence[str]) -> dict[str, Any]:
         sel["model_class"] = flags["--model"]
     if "--data" in flags:
         sel["data_class"] = flags["--data"]
-    if sel["recipe"] not in RECIPES and not (sel["model_class"] and sel["data_class"]):
-        raise UsageError(f"--recipe {sel['recipe']!r} is unknown; available recipes: {', '.join(RECIPES)}")
+    recipe_chosen = "--recipe" in flags or "recipe" in configured
+    if sel["model_class"] and not sel["data_class"] and not recipe_chosen:
+        raise UsageError(f"--model {sel['model_class']} needs --data module.Class (your LightningDataModule), or "
+                         "--recipe NAME to train it on a recipe's data")
+    if sel["data_class"] and not sel["model_class"] and not recipe_chosen:
+        raise UsageError(f"--data {sel['data_class']} needs --model module.Class (your LightningModule), or "
+                         "--recipe NAME to train a recipe's model on it")
+    if sel["recipe"] not in catalog.RECIPES and not (sel["model_class"] and sel["data_class"]):
+        raise UsageError(f"--recipe {sel['recipe']!r} is unknown; available recipes: {', '.join(catalog.RECIPES)}")
     return sel
 
 
+def _known_flag(key: str) -> bool:
+    return (key in _KNOWN_FLAGS or key in ALIASES or key.startswith(_OPTION_PREFIXES)
+            or key.startswith("--print_config"))
+
+
+_KNOWN_FLAGS = {name for spellings, _ in RUN_FLAGS for name in spellings} | {
+    "--config", "--recipe", "--strategy", "--model", "--data", "--model_class", "--data_class", "--strategy.name",
+    "--logger", "--help", "-h"}
+_OPTION_PREFIXES = ("--model.", "--data.", "--strategy.", "--wandb.")
+
+
+def precheck(command: str, argv: Sequence[str]) -> None:
+    """The errors that need no import of torch or Lightning: an unknown flag, recipe or missing
+    class pairing, answered in a fraction of a second (the full parser needs the classes)."""
+    import difflib
+
+    for arg in argv:
+        key = _split_flag(arg)[0]
+        if key.startswith("--") and not _known_flag(key):
+            close = difflib.get_close_matches(key, sorted(_KNOWN_FLAGS | set(ALIASES)), n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise UsageError(f"unknown flag {key}; {hint}`gradsync {command} --help` lists the flags")
+    _selectors(argv)
+
+
 # ---- phase 2: the full parser for those classes -------------------------------------------
+def strategy_class(name: str) -> Optional[type]:
+    """The class of a gradsync strategy, a plugin's (entry point) or ``module.Class``; None for a
+    stock Lightning strategy name."""
+    from gradsync import catalog
+    from gradsync.strategies import STRATEGIES
+
+    if name in STRATEGIES:
+        return STRATEGIES[name]
+    path = catalog.strategy_class_path(name)
+    if path is None:
+        return None
+    from lightning.pytorch.strategies import Strategy
+
+    return import_class(path, "--strategy", Strategy)
+
+
 def build_parser(command: str, sel: dict[str, Any]):
     import lightning as L
     from jsonargparse import ActionConfigFile, ArgumentParser
 
     from gradsync.recipes import RECIPES
-    from gradsync.strategies import STRATEGIES
 
     entry = RECIPES.get(sel["recipe"])
     model_cls = import_class(sel["model_class"], "--model", L.LightningModule) if sel["model_class"] else entry.model
@@ -154,51 +247,29 @@ def build_parser(command: str, sel: dict[str, Any]):
                    help="--data module.Class: your own LightningDataModule (default: the recipe's)")
     p.add_argument("--strategy.name", type=str, default="sync",
                    help="--strategy NAME: a gradsync strategy or a stock Lightning one such as ddp")
-    p.add_argument("--accelerator", type=str, default="auto", help="cpu | gpu | auto")
-    p.add_argument("--devices", type=int, default=1, help="processes per node (GPUs, or CPU processes)")
-    p.add_argument("--num_nodes", "--num-nodes", "--nnodes", type=int, default=1,
-                   help="number of nodes (flag > default 1); under srun, SLURM's node count")
-    p.add_argument("--node_rank", "--node-rank", type=Optional[int], default=None,
-                   help="this node's rank, 0..nnodes-1 (flag > $NODE_RANK > 0)")
-    p.add_argument("--master_addr", "--master-addr", type=Optional[str], default=None,
-                   help="rendezvous host (flag > $MASTER_ADDR > 127.0.0.1)")
-    p.add_argument("--master_port", "--master-port", type=Optional[int], default=None,
-                   help="rendezvous port (flag > $MASTER_PORT > a free port on one node, 29500 on several)")
-    p.add_argument("--max_restarts", "--max-restarts", type=int, default=0,
-                   help="restart the process group this many times after a worker dies; training resumes from "
-                        "the output dir's last checkpoint (flag > default 0)")
-    p.add_argument("--rdzv_backend", "--rdzv-backend", type=Literal["static", "c10d"], default="static",
-                   help="static: --master-addr/--node-rank; c10d: elastic rendezvous at --master-addr:--master-port")
-    p.add_argument("--rdzv_id", "--rdzv-id", type=Optional[str], default=None,
-                   help="c10d rendezvous id, the same on every node (flag > $SLURM_JOB_ID > 'gradsync')")
-    p.add_argument("--val_every", "--val-every", type=int, default=0,
-                   help="validate every N optimizer steps (default 0: at the end of each epoch)")
-    p.add_argument("--timeout", type=Optional[float], default=None,
-                   help="seconds a rank waits for a peer (rendezvous and every collective) before the run fails "
-                        "on every rank (flag > --strategy.timeout_seconds > 1800)")
-    p.add_argument("--print_launch", "--print-launch", action="store_true",
-                   help="print the per-node torchrun commands and an sbatch script, then exit")
-    p.add_argument("--max_steps", "--max-steps", type=int, default=-1, help="stop after this many optimizer steps")
-    p.add_argument("--max_epochs", "--max-epochs", type=Optional[int], default=None, help="stop after this many epochs")
-    p.add_argument("--seed", type=int, default=0, help="seed of model init and data order")
-    p.add_argument("--output_dir", "--output-dir", type=Optional[str], default=None,
-                   help="where summary.json and checkpoints/last.ckpt go")
-    p.add_argument("--resume", type=Optional[str], default=None,
-                   help="checkpoint to resume from, or 'auto' for the output dir's last.ckpt if it exists")
-    p.add_argument("--global_batch_size", "--global-batch-size", type=Optional[int], default=None,
-                   help="samples per optimizer step across all processes; accumulation K = G / (batch size x "
-                        "processes) is derived (default: batch size x processes, K = 1)")
-    p.add_argument("--checkpoint_every", "--checkpoint-every", type=int, default=0,
-                   help="also save last.ckpt every N optimizer steps (0: at epoch ends and at the end)")
+    for spellings, kwargs in RUN_FLAGS:
+        p.add_argument(*spellings, **kwargs)
     from gradsync.platform.tracking import add_tracking_arguments
 
     add_tracking_arguments(p)  # --logger, --wandb.*
     p.add_class_arguments(model_cls, "model", fail_untyped=False)
     p.add_class_arguments(data_cls, "data", fail_untyped=False)
-    strat_cls = STRATEGIES.get(sel["strategy"])
+    strat_cls = strategy_class(sel["strategy"])
     if strat_cls is not None:
         p.add_class_arguments(strat_cls, "strategy", fail_untyped=False)
     return p, model_cls, data_cls
+
+
+def _config_text(path: str) -> str:
+    """A --config file as the parser takes it: ``strategy: NAME`` (a hand-written shorthand) is
+    read as ``strategy: {name: NAME}``, the form ``--print_config`` writes."""
+    import yaml
+
+    cfg = yaml.safe_load(Path(path).read_text()) or {}
+    if isinstance(cfg.get("strategy"), str):
+        cfg["strategy"] = {"name": cfg["strategy"]}
+        return yaml.safe_dump(cfg, sort_keys=False)
+    return path
 
 
 def _rewrite(argv: Sequence[str]) -> list[str]:
@@ -209,7 +280,11 @@ def _rewrite(argv: Sequence[str]) -> list[str]:
     i = 0
     while i < len(argv):
         key, val = _split_flag(argv[i])
-        if key in renames or key in ALIASES:
+        if key == "--config":
+            path = val if val is not None else (argv[i + 1] if i + 1 < len(argv) else "")
+            i += 1 if val is None else 0
+            out += ["--config", _config_text(path)]
+        elif key in renames or key in ALIASES:
             if val is None:
                 if i + 1 >= len(argv):
                     raise UsageError(f"{key} needs a value")
@@ -231,10 +306,9 @@ def parse_run(command: str, argv: Sequence[str]):
     from jsonargparse import ArgumentError
 
     from gradsync.platform.run import RunSpec, unknown_strategy_message
-    from gradsync.strategies import STRATEGIES
 
     sel = _selectors(argv)
-    if sel["strategy"] not in STRATEGIES:
+    if strategy_class(sel["strategy"]) is None:
         from lightning.pytorch.strategies import StrategyRegistry
 
         if sel["strategy"] not in StrategyRegistry:
@@ -366,12 +440,12 @@ def validate_spec(spec) -> None:
 
 # ---- commands -------------------------------------------------------------------------------
 def cmd_list() -> int:
+    from gradsync import catalog
     from gradsync.platform.report import print_list
-    from gradsync.recipes import RECIPES
-    from gradsync.strategies import STRATEGIES
 
-    print_list({name: entry.description for name, entry in RECIPES.items()},
-               {name: cls.describe() for name, cls in STRATEGIES.items()})
+    strategies = {name: text for name, (_, text) in catalog.STRATEGIES.items()}
+    strategies.update({name: f"(plugin) {value}" for name, value in catalog.plugin_strategies().items()})
+    print_list({name: text for name, (_, _, text) in catalog.RECIPES.items()}, strategies)
     return 0
 
 
@@ -379,6 +453,9 @@ def cmd_run(command: str, argv: list[str]) -> int:
     from gradsync.platform import launch
 
     spec = parse_run(command, argv)  # --help / --print_config exit inside jsonargparse
+    warning = launch.missing_master_address(spec.launch)
+    if warning and not launch.inside_launcher():
+        print(f"gradsync: warning: {warning}", file=sys.stderr)
     if spec.print_launch:
         print(launch.print_launch([command, *argv], spec.launch.resolved()))
         return 0
@@ -390,6 +467,11 @@ def cmd_run(command: str, argv: list[str]) -> int:
         validate_spec(spec)
         if spec.devices > 1 or spec.num_nodes > 1 or spec.launch.max_restarts > 0:
             cfg = spec.launch.resolved()
+            if cfg.nnodes > 1 and cfg.node_rank > 0 and cfg.rdzv_backend == "static":
+                wait = cfg.timeout or 1800.0
+                if not launch.wait_for_node_zero(cfg, wait):
+                    raise UsageError(f"node 0 did not answer at {cfg.master_addr}:{cfg.master_port} within {wait:g} s; "
+                                     "start node 0 too, or check --master-addr and --master-port (and --timeout)")
             rc = launch.run_torchrun(launch.torchrun_command([command, *argv], cfg))
             if rc not in (0, 2):
                 print(f"gradsync: error: the launched processes failed (torchrun exit status {rc}); the first "
@@ -429,6 +511,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
             return cmd_sample(rest)
         if command in COMMANDS:
+            if not ({"-h", "--help"} & set(rest)):
+                precheck(command, rest)
             return cmd_run(command, rest)
         raise UsageError(f"unknown command {command!r}; choose one of fit, validate, test, list, compare, sample")
     except (UsageError, GradsyncError) as exc:

@@ -197,3 +197,29 @@ def run_torchrun(cmd: list[str]) -> int:
         return subprocess.call(cmd, env=env)
     except KeyboardInterrupt:
         return 130
+
+
+def missing_master_address(cfg: LaunchConfig, env: Mapping[str, str] = os.environ) -> Optional[str]:
+    """A one-line warning when several nodes would meet at 127.0.0.1 because no address was given."""
+    if cfg.nnodes > 1 and not cfg.master_addr and not env.get("MASTER_ADDR"):
+        return (f"--nnodes {cfg.nnodes} without --master-addr: the nodes would meet at 127.0.0.1, which only "
+                "works when every node is this machine; pass --master-addr <node 0's host name or address>")
+    return None
+
+
+def wait_for_node_zero(cfg: LaunchConfig, timeout: float) -> bool:
+    """On a node other than 0 (static rendezvous): whether node 0's rendezvous port answered within
+    ``timeout`` seconds. A node started without its node 0 then fails in one line, not in a
+    traceback from torchrun's agent."""
+    import socket
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((cfg.master_addr, cfg.master_port), timeout=min(5.0, timeout)):
+                return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.5)

@@ -6,6 +6,7 @@ The CLI parses flags into a :class:`RunSpec`; :func:`execute` builds the parts, 
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
+from gradsync.catalog import strategy_class_path
 from gradsync.errors import GradsyncError, check
 from gradsync.platform.checkpoint import AtomicCheckpointIO, atomic_torch_save, load_checkpoint_file
 from gradsync.strategies import STRATEGIES, GradsyncStrategy
@@ -113,6 +115,10 @@ def build_strategy(name: str, options: dict) -> Union[Strategy, str]:
     """A gradsync strategy instance, or a stock Lightning strategy name (which takes no options)."""
     if name in STRATEGIES:
         return STRATEGIES[name](**options)
+    path = strategy_class_path(name)  # a plugin's registered name, or module.Class
+    if path is not None:
+        module, _, cls = path.rpartition(".")
+        return getattr(importlib.import_module(module), cls)(**options)
     if name in StrategyRegistry:
         if options:
             raise GradsyncError(
@@ -123,10 +129,14 @@ def build_strategy(name: str, options: dict) -> Union[Strategy, str]:
 
 
 def unknown_strategy_message(name: str) -> str:
+    from gradsync.catalog import plugin_strategies
+
+
     stock = sorted(n for n in StrategyRegistry.available_strategies()
                    if n not in STRATEGIES and "find_unused" not in n and "offload" not in n)
-    return (f"--strategy {name!r} is unknown; gradsync strategies: {', '.join(STRATEGIES)}; "
-            f"Lightning strategies: {', '.join(stock)}")
+    plugins = f"; plugins: {', '.join(plugin_strategies())}" if plugin_strategies() else ""
+    return (f"--strategy {name!r} is unknown; gradsync strategies: {', '.join(STRATEGIES)}{plugins}; "
+            f"Lightning strategies: {', '.join(stock)}; or a class path, module.Class")
 
 
 def resolve_checkpoint_to_resume(spec: RunSpec) -> Optional[Path]:

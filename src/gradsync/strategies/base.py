@@ -120,7 +120,8 @@ class GradsyncStrategy(DDPStrategy):
             if init is None or not issubclass(klass, GradsyncStrategy):
                 continue
             for name, p in inspect.signature(init).parameters.items():
-                if p.kind is inspect.Parameter.KEYWORD_ONLY and hasattr(self, name):
+                named = p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                if named and name != "self" and hasattr(self, name):
                     out[name] = getattr(self, name)
         return out
 
@@ -217,6 +218,7 @@ class GradsyncStrategy(DDPStrategy):
 
     # ---- training loop -----------------------------------------------------------------------
     def setup(self, trainer: Any) -> None:
+        _finish_group_at_exit(trainer.state)
         accumulation = getattr(trainer, "accumulate_grad_batches", 1)
         # DDP's static graph with no_sync can silently stop all-reducing (pytorch#143580,
         # Lightning#19354): refuse the combination instead of training on local gradients.
@@ -457,6 +459,40 @@ class GradsyncStrategy(DDPStrategy):
                 stacklevel=2,
             )
         return {"ledger": parts[0].get("ledger", {})}
+
+
+_exit_state: list = []  # the latest trainer state; the exit hook is installed once per process
+
+
+def _finish_group_at_exit(state: Any) -> None:
+    """Tear the default process group down when the process exits (``L.Trainer`` never does).
+
+    A process that exits with its group alive lets gloo's threads be destroyed mid-flight: some
+    runs then die after a successful fit with "terminate called without an active exception"
+    (exit 134). After a fit that finished, the ranks first meet in a barrier (bounded: a peer
+    that is gone costs at most a minute), so no rank closes its sockets while another still talks;
+    after a failure the group is destroyed without waiting for peers that may never come.
+    """
+    if not _exit_state:
+        import atexit
+
+        atexit.register(_destroy_default_group)
+    _exit_state[:] = [state]
+
+
+def _destroy_default_group() -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        return  # the gradsync command (or the user) has torn it down already
+    from datetime import timedelta
+
+    from lightning.pytorch.trainer.states import TrainerStatus
+
+    try:
+        if _exit_state and _exit_state[0].status == TrainerStatus.FINISHED:
+            dist.barrier(async_op=True).wait(timeout=timedelta(seconds=60))
+    except Exception:  # a peer is gone: nothing to wait for
+        pass
+    dist.destroy_process_group()
 
 
 def _rescale_micro_batch_progress(checkpoint: dict, old_k: int, new_k: int) -> None:
