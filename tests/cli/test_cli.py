@@ -103,6 +103,15 @@ def test_bad_input_is_one_line_exit_2_no_traceback():
      "--strategy.sync_delay 4: must be < period/fragments = 4"),
     (["--strategy", "local_sgd", "--strategy.codec", "int8", "--strategy.rank", "8"],
      "--strategy.rank 8: is not used by codec int8"),
+    (["--model", "os.path", "--data", "gradsync.recipes.digits.DigitsData"], "--model 'os.path': module 'os' has no class"),
+    (["--model", "collections.OrderedDict", "--recipe", "digits"], "must be a subclass of lightning.pytorch.core.module"),
+    (["--data", "collections.OrderedDict", "--recipe", "digits"], "must be a subclass of lightning.pytorch.core.datamodule"),
+    (["--model", "gradsync.recipes.digits.DigitsClassifier"], "--model gradsync.recipes.digits.DigitsClassifier needs --data"),
+    (["--strategy.backend", "nccl"], "--strategy.backend nccl: NCCL needs CUDA devices"),
+    (["--strategy", "compressed", "--strategy.backend", "nccl", "--devices", "2"], "--strategy.backend nccl"),
+    (["--devcies", "2"], "unknown flag --devcies; did you mean --devices?"),
+    (["--strategy", "no_such_pkg.Strategy"], "--strategy 'no_such_pkg.Strategy': cannot import module"),
+    (["--strategy", "collections.OrderedDict"], "must be a subclass of lightning.pytorch.strategies"),
 ])
 def test_bad_inputs(capsys, args, expected):
     assert main(["fit", "--accelerator", "cpu", *args]) == 2
@@ -116,6 +125,21 @@ def test_gpu_accelerator_without_a_gpu_is_one_line(capsys):
     assert main(["fit", "--accelerator", "gpu"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "--accelerator gpu: no GPU here" in err and "use --accelerator cpu" in err
+
+
+def test_doctor_bad_devices_is_one_line(capsys):
+    assert main(["doctor", "--devices", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "gradsync: error: --devices 0: must be >= 1"
+
+
+def test_hand_written_yaml_takes_strategy_by_name(tmp_path):
+    from gradsync.cli.main import parse_run
+
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("recipe: digits\nstrategy: local_sgd\nmax_steps: 3\n")
+    spec = parse_run("fit", ["--config", str(cfg), "--strategy.period", "2"])
+    assert (spec.strategy, spec.strategy_options["period"], spec.max_steps) == ("local_sgd", 2, 3)
 
 
 def test_unknown_command_is_one_line(capsys):

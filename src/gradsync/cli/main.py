@@ -404,7 +404,14 @@ def _option_error_flag(component: str, option: str) -> str:
     return f"--{component}.{option}"
 
 
-def _check_strategy(strategy, world_size: int, num_nodes: int) -> None:
+def _check_strategy(strategy, world_size: int, num_nodes: int, accelerator: str = "auto") -> None:
+    backend = (getattr(strategy, "options", None) or {}).get("backend") if not isinstance(strategy, str) else None
+    if backend == "nccl":
+        import torch
+
+        if accelerator == "cpu" or not torch.cuda.is_available():
+            raise UsageError("--strategy.backend nccl: NCCL needs CUDA devices and this run has none; use "
+                             "--strategy.backend gloo (or auto), or --accelerator gpu on a machine with GPUs")
     if hasattr(strategy, "check_world_size"):
         strategy.check_world_size(world_size)
     if hasattr(strategy, "check_layout"):
@@ -420,7 +427,8 @@ def validate_spec(spec) -> None:
     for component, build in (("model", lambda: spec.model_class(**spec.model_options)),
                              ("data", lambda: spec.data_class(**spec.data_options)),
                              ("strategy", lambda: _check_strategy(build_strategy(spec.strategy, spec.strategy_options),
-                                                                  spec.world_size, spec.num_nodes))):
+                                                                  spec.world_size, spec.num_nodes,
+                                                                  spec.accelerator))):
         try:
             build()
         except OptionError as exc:
