@@ -45,6 +45,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
 from gradsync.errors import GradsyncError
+from gradsync.strategies.lightning_private import wandb_init_kwargs
 
 LoggerName = Literal["csv", "wandb", "tensorboard"]
 WandbMode = Literal["online", "offline", "disabled"]
@@ -230,7 +231,7 @@ def build_wandb_logger(spec: Any, opts: WandbOptions, out_dir: Optional[Path], e
         name=name, project=opts.project or env.get("WANDB_PROJECT") or DEFAULT_PROJECT,
         save_dir=save_dir, id=wandb_run_id(out_dir, env), log_model=False, **kwargs)
     # Lightning passes anonymous=None, which W&B >= 0.19 answers with a deprecation warning per run.
-    logger._wandb_init.pop("anonymous", None)
+    wandb_init_kwargs(logger).pop("anonymous", None)
     if _is_rank_zero(env):
         start_wandb_run(logger)
     return logger

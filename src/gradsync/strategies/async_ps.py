@@ -34,7 +34,6 @@ Usage::
 # No `from __future__ import annotations` here: DDP checks the hook's annotations at runtime.
 import threading
 import time
-import types
 import warnings
 from typing import Any, Callable, Literal, Optional
 
@@ -46,6 +45,7 @@ from gradsync.errors import GradsyncError, check
 from gradsync.strategies.base import GradsyncStrategy
 from gradsync.strategies.ledger import fp32_allreduce_bytes
 from gradsync.strategies.ps_server import PSClient, ServerError, ServerThread, ShardState, split_shards
+from gradsync.strategies.lightning_private import ddp_kwargs, replace_sigterm_broadcast
 
 
 def _make_sigterm_check_local(trainer: Any) -> None:
@@ -58,9 +58,7 @@ def _make_sigterm_check_local(trainer: Any) -> None:
         if getattr(self.trainer, "received_sigterm", False):
             raise SIGTERMException()
 
-    loop = trainer.fit_loop.epoch_loop
-    if hasattr(loop, "_broadcast_sigterm_tensor"):
-        loop._broadcast_sigterm_tensor = types.MethodType(local_check, loop)
+    replace_sigterm_broadcast(trainer, local_check)
 
 
 class _ServerModelFirst(Callback):
@@ -110,7 +108,7 @@ class AsyncPSStrategy(GradsyncStrategy):
         self.staleness_scaling = staleness_scaling
         super().__init__(**kwargs)
         # Buffers stay local (there is no per-step collective to broadcast them with).
-        self._ddp_kwargs["broadcast_buffers"] = False
+        ddp_kwargs(self)["broadcast_buffers"] = False
         self.client: Optional[PSClient] = None
         self.servers: dict[int, ServerThread] = {}
         self._params: list[torch.Tensor] = []

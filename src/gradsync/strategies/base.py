@@ -38,6 +38,9 @@ from gradsync.comm.ledger import CommLedger
 from gradsync.comm.topology import Topology, launcher_layout
 from gradsync.errors import GradsyncError, check
 from gradsync.strategies import parts as rank_parts
+from gradsync.strategies.lightning_private import (
+    fit_batch_progress, process_group_backend, process_group_timeout, set_process_group_backend,
+)
 
 Backend = Literal["auto", "nccl", "gloo"]
 log = logging.getLogger("gradsync")
@@ -137,7 +140,7 @@ class GradsyncStrategy(DDPStrategy):
 
     # ---- process group ---------------------------------------------------------------------
     def _get_process_group_backend(self) -> str:
-        backend = self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+        backend = process_group_backend(self) or ("nccl" if self.root_device.type == "cuda" else "gloo")
         check(not (backend == "nccl" and self.root_device.type != "cuda"), "backend", backend,
               "NCCL needs CUDA devices", "use backend gloo or --accelerator gpu")
         return backend
@@ -148,7 +151,7 @@ class GradsyncStrategy(DDPStrategy):
         # across restarts, and restarted workers would otherwise read dead workers' addresses.
         if not dist.is_initialized() and "TORCHELASTIC_RESTART_COUNT" in os.environ and "MASTER_ADDR" in os.environ:
             self.set_world_ranks()
-            self._process_group_backend = self._get_process_group_backend()
+            set_process_group_backend(self, self._get_process_group_backend())
             from lightning.fabric.utilities.seed import reset_seed
 
             reset_seed()
@@ -156,11 +159,12 @@ class GradsyncStrategy(DDPStrategy):
             use_agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
             store = dist.TCPStore(
                 os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world,
-                is_master=(not use_agent_store and rank == 0), timeout=self._timeout, wait_for_workers=False,
+                is_master=(not use_agent_store and rank == 0), timeout=process_group_timeout(self),
+                wait_for_workers=False,
             )
             prefix = f"gradsync/attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}"
-            dist.init_process_group(self._process_group_backend, store=dist.PrefixStore(prefix, store),
-                                    rank=rank, world_size=world, timeout=self._timeout)
+            dist.init_process_group(process_group_backend(self), store=dist.PrefixStore(prefix, store),
+                                    rank=rank, world_size=world, timeout=process_group_timeout(self))
         else:
             super().setup_distributed()
         self.ledger.world_size = self.world_size
@@ -209,7 +213,7 @@ class GradsyncStrategy(DDPStrategy):
         else:
             self.check_layout(world, 0)
         return Topology.build(procs_per_node=self.procs_per_node, node_groups=self.wants_node_groups(),
-                              timeout=self._timeout)
+                              timeout=process_group_timeout(self))
 
     @property
     def comm_group(self) -> Optional[dist.ProcessGroup]:
@@ -328,9 +332,10 @@ class GradsyncStrategy(DDPStrategy):
         """Return ``(state, hook)`` to register on the DDP model, or ``None`` for no hook."""
         return None
 
-    def _register_ddp_hooks(self) -> None:
+    def _register_comm_hook(self) -> None:
         # Unlike Lightning's DDPStrategy, register on every device type: a strategy that says it
-        # compresses must compress on gloo too, not silently fall back to plain all-reduce.
+        # compresses must compress on gloo too, not silently fall back to plain all-reduce. Called
+        # from the public configure_ddp, not by overriding Lightning's private _register_ddp_hooks.
         built = self.build_comm_hook()
         if built is not None:
             state, hook = built
@@ -414,6 +419,8 @@ class GradsyncStrategy(DDPStrategy):
 
     def configure_ddp(self) -> None:
         super().configure_ddp()
+        if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+            self._register_comm_hook()
         self._apply_restored_state()
         self._restored_algorithm_state = None
 
@@ -504,7 +511,7 @@ def _rescale_micro_batch_progress(checkpoint: dict, old_k: int, new_k: int) -> N
     """
     if old_k == new_k:
         return
-    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
+    progress = fit_batch_progress(checkpoint)
     if not progress:
         return
     for part in ("total", "current"):

@@ -53,6 +53,7 @@ from gradsync.comm.ledger import CommLedger, fp32_allreduce_bytes
 from gradsync.comm.reducer import Reducer
 from gradsync.errors import GradsyncError, check
 from gradsync.strategies.base import GradsyncStrategy
+from gradsync.strategies.lightning_private import ddp_kwargs
 
 Codec = Literal["identity", "fp16", "bf16", "int8", "int4", "sign", "topk", "powersgd"]
 Scope = Literal["world", "node"]
@@ -249,7 +250,7 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
         self._set_scope(scope, procs_per_node)
         # Buffers are averaged at rounds (average_buffers) or stay local; DDP's per-forward
         # broadcast of rank 0's buffers would be unaccounted traffic that overrides both.
-        self._ddp_kwargs["broadcast_buffers"] = False
+        ddp_kwargs(self)["broadcast_buffers"] = False
         self.steps = PeriodicState(ledger=self.ledger, period=period, warmup_steps=warmup_steps)
         self._layout_cache: Optional[_Layout] = None
         self._reducer_cache: Optional[Reducer] = None

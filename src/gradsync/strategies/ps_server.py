@@ -48,6 +48,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from gradsync.strategies.lightning_private import work_source_rank
+
 OP_PULL, OP_PUSH, OP_READ, OP_STOP = 1, 2, 3, 4
 TAG_REQUEST, TAG_GRAD, TAG_VERSION, TAG_PARAMS = 71, 72, 73, 74
 HEADER = 5  # op, worker, version, weight, skip; then one learning rate per optimizer group
@@ -302,7 +304,7 @@ class ServerThread(threading.Thread):
             while remote:
                 work = dist.irecv(header, src=None, group=self.request_group, tag=TAG_REQUEST)
                 work.wait()
-                src = int(work._source_rank())
+                src = work_source_rank(work)
                 op = int(header[0])
                 if op == OP_STOP:
                     remote.discard(src)

@@ -1,0 +1,62 @@
+"""Every private Lightning/torch member gradsync relies on exists in the installed versions, and each
+accessor fails loudly (naming the member) when it does not."""
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.demos.boring_classes import BoringModel
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
+from lightning.pytorch.strategies import DDPStrategy
+
+from gradsync.strategies import lightning_private as lp
+
+
+def test_ddp_strategy_members():
+    s = DDPStrategy()
+    assert isinstance(lp.ddp_kwargs(s), dict)
+    lp.set_process_group_backend(s, "gloo")
+    assert lp.process_group_backend(s) == "gloo"
+    assert lp.process_group_timeout(s) is not None
+
+
+def test_sigterm_broadcast_of_the_training_epoch_loop():
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
+    calls = []
+    lp.replace_sigterm_broadcast(trainer, lambda loop: calls.append(loop))
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()
+    assert calls == [trainer.fit_loop.epoch_loop]
+
+
+def test_work_source_rank():
+    # (the async_ps tests receive from any source for real; gloo cannot send to itself at world size 1)
+    assert callable(getattr(dist.Work, "_source_rank", None))
+
+
+def test_fit_progress_schema_of_a_real_checkpoint(tmp_path):
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path)
+    trainer.fit(BoringModel())
+    trainer.save_checkpoint(tmp_path / "c.ckpt")
+    ckpt = torch.load(tmp_path / "c.ckpt", weights_only=False)
+    progress = lp.fit_batch_progress(ckpt)
+    assert progress["total"]["ready"] == 2 and set(progress) >= {"total", "current"}
+
+
+def test_logger_members(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert isinstance(lp.wandb_init_kwargs(WandbLogger(save_dir=str(tmp_path), offline=True)), dict)
+    assert hasattr(CSVLogger(str(tmp_path)), "_experiment")
+
+
+def test_missing_members_fail_loudly():
+    class Bare:
+        pass
+
+    for accessor in (lp.ddp_kwargs, lp.process_group_backend, lp.process_group_timeout, lp.work_source_rank,
+                     lp.wandb_init_kwargs):
+        with pytest.raises(lp.LightningInternalsChanged, match="is gone in this version"):
+            accessor(Bare())
+    with pytest.raises(lp.LightningInternalsChanged, match="batch_progress"):
+        lp.fit_batch_progress({"loops": {"fit_loop": {}}})
+    assert lp.fit_batch_progress({}) is None  # a checkpoint without a fit loop is not an error
