@@ -60,7 +60,11 @@ def allreduce_check(size_mb: float, accelerator: str) -> list[str]:
     import torch
     import torch.distributed as dist
 
-    use_cuda = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    # auto: NCCL when every local process has a GPU of its own; more processes than GPUs (e.g. 2 on a
+    # 1-GPU machine) check gloo on CPU instead of failing on a device that does not exist.
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    use_cuda = accelerator in ("gpu", "cuda") or (
+        accelerator == "auto" and torch.cuda.is_available() and torch.cuda.device_count() >= local)
     backend = "nccl" if use_cuda else "gloo"
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
