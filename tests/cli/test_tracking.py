@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from gradsync.cli.main import main
 from wandb_records import OfflineRun
@@ -151,6 +152,11 @@ def test_compare_two_runs_writes_table_and_plots(wandb_run, tmp_path, capsys):
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in (plots / "comparison.md").read_text().splitlines()[2:] if line.startswith("|")}
     assert rows["strategy"] == ["sync", "local_sgd"] and rows["optimizer steps"] == ["8", "12"]
+    # numbers, and the runs' own: each run's samples/s and final loss as its summary.json has them
+    for i, run in enumerate((sync, local_sgd)):
+        summary = json.loads((run / "summary.json").read_text())
+        assert float(rows["samples/s"][i].replace(",", "")) == pytest.approx(summary["samples_per_second"], rel=0.01)
+        assert float(rows["wall time s"][i]) == pytest.approx(summary["wall_seconds"], rel=0.01)
     assert rows["processes x nodes"] == ["1 x 1", "2 x 1"] and "period=4" in rows["options"][1]
     assert "Options of every run: " in (plots / "comparison.md").read_text()  # the shared DDP options, once
     for name in ("loss_vs_step.png", "loss_vs_wire_bytes.png", "val_vs_wall_time.png"):
@@ -158,6 +164,15 @@ def test_compare_two_runs_writes_table_and_plots(wandb_run, tmp_path, capsys):
         assert data[:8] == PNG_MAGIC and len(data) > 10_000, name
         width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
         assert (width, height) == (700, 420), name
+        # drawn lines, not an empty frame: pixels of both runs' colours (matplotlib's C0 and C1)
+        assert _pixels_of(plots / name, (31, 119, 180)) > 80 and _pixels_of(plots / name, (255, 127, 14)) > 80, name
+
+
+def _pixels_of(png, rgb, tol=40):
+    import matplotlib.image
+
+    img = matplotlib.image.imread(png)[..., :3] * 255
+    return int((abs(img - torch.tensor(rgb, dtype=torch.float32).numpy()).max(axis=-1) < tol).sum())
 
 
 def test_compare_missing_or_foreign_dir_is_one_line(tmp_path, capsys):
