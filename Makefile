@@ -7,7 +7,7 @@ export OMP_NUM_THREADS ?= 1
 export WANDB_MODE ?= offline
 export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: setup demo test test-fast test-exit docs clean
+.PHONY: setup demo test test-fast test-exit test-gpu docs clean
 
 setup: $(VENV)/.installed
 
@@ -30,6 +30,10 @@ test: setup
 	$(PY) -m pytest -q tests
 	$(VENV)/bin/mkdocs build --strict -q -d /tmp/gradsync-site
 
+# The GPU path on one CUDA device (skipped without one): NCCL, codecs on CUDA, resume; < 5 minutes.
+test-gpu: setup
+	$(PY) -m pytest -q tests/gpu
+
 # Twenty plain-Lightning scripts per strategy, each must exit 0 (a soak of the exit-time teardown).
 test-exit: setup
 	GRADSYNC_EXIT_RUNS=20 $(PY) -m pytest -q tests/cli/test_plain_trainer_exit.py
@@ -37,7 +41,10 @@ test-exit: setup
 test-fast: setup
 	$(PY) -m pytest -q tests/unit
 
+# The build generates the CLI reference itself; the checked-in copy (for reading the docs on GitHub) is
+# refreshed here, and tests/docs/test_cli_reference.py fails when it is stale.
 docs: setup
+	$(PY) scripts/cli_reference.py -o docs/reference/cli.md
 	$(VENV)/bin/mkdocs build --strict
 
 clean:

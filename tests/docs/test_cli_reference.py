@@ -1,10 +1,13 @@
 """The CLI reference page is generated from the CLI and misses no command, strategy, recipe or flag.
 
-mkdocs runs scripts/cli_reference.py as a hook at every build, so the page cannot go stale; this
-test makes sure the generator itself keeps up with the parser (a flag added in a way the generator
-does not read would otherwise vanish from the docs silently).
+mkdocs runs scripts/cli_reference.py as a hook at every build, so the built page cannot go stale. A
+copy is also checked in as docs/reference/cli.md, so that the pages linking to it work in the
+repository too (on GitHub, in an editor); a test keeps that copy equal to what the generator prints.
+The other tests make sure the generator itself keeps up with the parser (a flag added in a way the
+generator does not read would otherwise vanish from the docs silently).
 """
 
+import difflib
 import importlib.util
 import re
 from pathlib import Path
@@ -66,8 +69,16 @@ def test_every_command_strategy_and_recipe_has_a_section(page):
     assert "| `--lr` | `--model.lr` |" in page
 
 
-def test_the_site_generates_the_page_at_build_time(generator):
+def test_the_site_generates_the_page_at_build_time():
     config = yaml.safe_load((ROOT / "mkdocs.yml").read_text().replace("!!python", "#"))
     assert "scripts/cli_reference.py" in config["hooks"]
     assert "reference/cli.md" in yaml.safe_dump(config["nav"])
-    assert not (ROOT / "docs" / generator.PAGE).exists(), "the page is generated; do not check a copy in"
+
+
+def test_the_checked_in_page_is_what_the_generator_prints(generator, page):
+    path = ROOT / "docs" / generator.PAGE
+    fix = f"regenerate it with `python scripts/cli_reference.py -o docs/{generator.PAGE}` (or `make docs`)"
+    assert path.is_file(), f"docs/{generator.PAGE} is missing; {fix}"
+    diff = list(difflib.unified_diff(path.read_text().splitlines(), page.splitlines(), "checked in", "generated",
+                                     lineterm="", n=1))
+    assert not diff, f"docs/{generator.PAGE} is out of date with the CLI; {fix}:\n" + "\n".join(diff[:40])
