@@ -205,3 +205,43 @@ def test_list_is_a_plain_table_off_a_terminal(capsys):
     assert not CONTROL.search(out)
     names = [c.strip() for line in out.splitlines() for c in re.split(r"[│┃]", line)[1:2]]
     assert {"digits", "sync", "local_sgd", "compressed"} <= set(names)
+
+
+SECRET_OPTION_MODULE = '''
+from gradsync.recipes import DigitsClassifier
+
+
+class TokenDigits(DigitsClassifier):
+    """The digits model with two string options a user might pass a credential through."""
+
+    def __init__(self, *, api_token: str = "", note: str = "", **kwargs):
+        super().__init__(**kwargs)
+        self.api_token, self.note = api_token, note
+'''
+
+
+def test_secrets_in_options_and_environment_are_redacted_everywhere(tmp_path, monkeypatch, capsys):
+    """A credential-named option, and an option whose value equals a credential in the environment,
+    reach no file of the run: summary, logs, hyperparameters, checkpoint, W&B run files."""
+    (tmp_path / "tokmod.py").write_text(SECRET_OPTION_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("HF_TOKEN", FAKE_TOKEN)
+    monkeypatch.setenv("WANDB_API_KEY", FAKE_KEY)
+    named_secret = "literal-api-token-55555"
+    out = tmp_path / "run"
+    assert main(["fit", "--model", "tokmod.TokenDigits", "--recipe", "digits", "--model.api_token", named_secret,
+                 "--model.note", FAKE_TOKEN, "--accelerator", "cpu", "--max-steps", "3", "--output-dir", str(out),
+                 "--logger", "wandb", "--wandb.mode", "offline", "--wandb.project", "gradsync-tests"]) == 0
+    printed = capsys.readouterr()
+    files = [p for p in out.rglob("*") if p.is_file()]
+    kinds = {p.name for p in files}
+    assert {"summary.json", "metrics.csv", "hparams.yaml", "last.ckpt"} <= kinds and any(
+        p.suffix == ".wandb" for p in files), kinds
+    for p in files:
+        data = p.read_bytes()
+        for secret in (named_secret, FAKE_TOKEN, FAKE_KEY):
+            assert secret.encode() not in data, f"{secret} in {p.relative_to(out)}"
+    for secret in (named_secret, FAKE_TOKEN, FAKE_KEY):
+        assert secret not in printed.out + printed.err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["model_options"]["api_token"] == summary["model_options"]["note"] == "<redacted>"

@@ -197,6 +197,13 @@ class RunInfo(Callback):
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         checkpoint["gradsync_run"] = {**self.info, "world_size": trainer.world_size}
+        # No credential reaches a checkpoint either: the module's and DataModule's saved options are
+        # redacted as the loggers' are (a credential-named option, or a credential's value).
+        from gradsync.platform.tracking import redact
+
+        for key in ("hyper_parameters", "datamodule_hyper_parameters"):
+            if key in checkpoint:
+                checkpoint[key] = redact(dict(checkpoint[key]))
 
 
 class CommMetrics(Callback):

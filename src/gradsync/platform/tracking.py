@@ -209,7 +209,20 @@ def build_loggers(spec: Any) -> list:
                                          default_hp_metric=False))
     elif cfg.logger == "wandb":
         loggers.append(build_wandb_logger(spec, cfg.wandb, out_dir))
-    return loggers
+    return [_redacting(lg) for lg in loggers]
+
+
+def _redacting(logger: Any) -> Any:
+    """``logger`` whose ``log_hyperparams`` redacts first: Lightning also logs the module's own saved
+    hyperparameters (``save_hyperparameters``) to every logger, and those bypass gradsync's config."""
+    log_hyperparams = logger.log_hyperparams
+
+    def redacted(params: Any, *args: Any, **kwargs: Any) -> Any:
+        as_dict = vars(params) if hasattr(params, "__dict__") and not isinstance(params, dict) else dict(params)
+        return log_hyperparams(redact(as_dict), *args, **kwargs)
+
+    logger.log_hyperparams = redacted
+    return logger
 
 
 def build_wandb_logger(spec: Any, opts: WandbOptions, out_dir: Optional[Path], env=os.environ) -> Any:
