@@ -58,7 +58,8 @@ RUN = ["fit", "--recipe", "digits", "--strategy", "sync", "--accelerator", "cpu"
 def test_killed_worker_restarts_resumes_and_matches_uninterrupted_run(tmp_path):
     env = _env(WANDB_API_KEY=SECRET, MY_SERVICE_TOKEN=SECRET)
     out = tmp_path / "killed"
-    proc = subprocess.Popen(_cmd(*RUN, "--max-restarts", "1", "--output-dir", str(out)), env=env,
+    wandb = ["--logger", "wandb", "--wandb.mode", "offline", "--wandb.project", "gradsync-tests"]
+    proc = subprocess.Popen(_cmd(*RUN, *wandb, "--max-restarts", "1", "--output-dir", str(out)), env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     ckpt = out / "checkpoints" / "last.ckpt"
     deadline = time.time() + 120
@@ -75,6 +76,11 @@ def test_killed_worker_restarts_resumes_and_matches_uninterrupted_run(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["restarts"] == 1 and summary["global_step"] == 150
     assert summary["resumed_from_step"] is not None and 10 <= summary["resumed_from_step"] < 150
+    # one W&B run across torchrun's restart: each attempt wrote into the run the output dir names
+    run_id = (out / "wandb_run_id").read_text().strip()
+    attempts = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(attempts) == 2 and all(d.name.endswith(f"-{run_id}") for d in attempts), attempts
+    assert summary["tracking"]["wandb_run_id"] == run_id
 
     ref = tmp_path / "ref"
     r = subprocess.run(_cmd(*RUN, "--output-dir", str(ref)), env=_env(), capture_output=True, text=True, timeout=200)
