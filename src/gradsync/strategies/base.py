@@ -100,6 +100,7 @@ class GradsyncStrategy(DDPStrategy):
             gradient_as_bucket_view=self.gradient_as_bucket_view,
             static_graph=self.static_graph,
             find_unused_parameters=self.find_unused_parameters,
+            checkpoint_io=rank_parts.AtomicCheckpointIO(),  # last.ckpt is whole under a plain L.Trainer too
         )
         self.ledger = CommLedger()
         self.accumulation_steps = 1
