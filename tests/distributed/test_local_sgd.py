@@ -115,6 +115,41 @@ def test_diloco_two_rank_outer_nesterov_step_by_hand(tmp_path, warmup):
     assert (mom - m).abs().max() <= 1e-6
 
 
+class CaptureOverlap(LocalSGDStrategy):
+    """Records this rank's flat parameters just before and just after each overlapped round."""
+
+    def _overlap_round(self, s):
+        flat = lambda: torch.cat([p.detach().reshape(-1) for p in self._layout().params]).clone()  # noqa: E731
+        before = flat()
+        super()._overlap_round(s)
+        self.captured = getattr(self, "captured", []) + [(s, before, flat())]
+
+    def algorithm_state_dict(self):
+        return {**super().algorithm_state_dict(), "captured": getattr(self, "captured", [])}
+
+
+def test_overlap_two_rank_two_rounds_by_hand(tmp_path):
+    """Each round sends this rank's point x_k and keeps training; one period later the average m_k
+    arrives and the rank continues from m_k + (x - x_k): the average plus its own progress since."""
+    period = 3
+    ranks = fit(model(momentum=0.9), DigitsData(batch_size=16), strategy=CaptureOverlap(period=period, overlap=True),
+                devices=2, max_steps=3 * period, out=tmp_path)
+    rounds = [r["algorithm"]["captured"] for r in ranks]
+    assert [s for s, _, _ in rounds[0]] == [period, 2 * period, 3 * period]
+    sent = [[rounds[r][0][1]] for r in (0, 1)]  # round 1: nothing in flight, the point is sent as it is
+    for r in (0, 1):
+        assert torch.equal(rounds[r][0][2], rounds[r][0][1])
+    assert not torch.equal(sent[0][0], sent[1][0])
+    for k in (1, 2):  # rounds 2 and 3 land the averages of rounds 1 and 2
+        mean = (sent[0][k - 1] + sent[1][k - 1]) / 2
+        for r in (0, 1):
+            x = rounds[r][k][1]  # after this period's local steps, before the merge
+            expected = mean + (x - sent[r][k - 1])
+            assert (rounds[r][k][2] - expected).abs().max() <= 1e-6, f"rank {r}, round {k + 1}"
+            sent[r].append(expected)
+        assert not torch.equal(sent[0][k], sent[1][k])  # each kept its own progress
+
+
 @pytest.mark.parametrize("cls", [LocalSGDStrategy, DiLoCoStrategy], ids=["local_sgd", "diloco"])
 def test_overlap_runs_collective_behind_local_steps(tmp_path, cls):
     period, steps = 4, 18
