@@ -284,9 +284,10 @@ def execute(spec: RunSpec) -> dict:
                             shards_itself=bool(getattr(data, "shards_itself", False)))
     world = trainer.world_size
     if trainer.is_global_zero:
+        batch = (batch_arithmetic(micro * k * world, micro, k, world) if micro else
+                 "micro-batch read from the train loader (the DataModule has no batch_size)")
         print(f"gradsync: {spec.command} recipe={spec.recipe} strategy={spec.strategy} on {world} "
-              f"process(es), {spec.num_nodes} node(s); {batch_arithmetic(micro * k * world, micro, k, world)}",
-              flush=True)
+              f"process(es), {spec.num_nodes} node(s); {batch}", flush=True)
     resumed_from = _checkpoint_step(ckpt) if ckpt else None
 
     if spec.command == "fit":
@@ -357,12 +358,12 @@ def build_summary(spec: RunSpec, trainer: L.Trainer, model: Any, data: Any, cloc
         if k.startswith(("val_", "test_")) and k not in metrics:
             metrics[k] = _num(v)
     world = trainer.world_size
-    micro = micro_batch_of(data, trainer)
-    k = int(trainer.accumulate_grad_batches)
-    global_batch = micro * world * k
     from gradsync.platform.tracking import telemetry_of
 
     telemetry = telemetry_of(trainer)
+    micro = micro_batch_of(data, trainer) or (telemetry.micro_batch if telemetry is not None else 0)
+    k = int(trainer.accumulate_grad_batches)
+    global_batch = micro * world * k
     train_seconds = telemetry.train_seconds if telemetry is not None else 0.0
     sps = telemetry.samples_per_second() if telemetry is not None else None
     share = telemetry.comm_share(trainer) if telemetry is not None else None

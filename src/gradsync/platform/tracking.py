@@ -357,6 +357,7 @@ class RunTelemetry(Callback):
         self._step = 0
         self._comm = 0.0
         self._global_batch = 0
+        self.micro_batch = 0  # per process, read when training starts (the train loader exists then)
         self._log_loss: Optional[bool] = None
         self.latest: dict[str, float] = {}
         self._config_logged = False
@@ -410,8 +411,8 @@ class RunTelemetry(Callback):
         from gradsync.platform.run import micro_batch_of
 
         self._fit_start = time.perf_counter()
-        micro = micro_batch_of(trainer.datamodule, trainer)
-        self._global_batch = micro * trainer.world_size * int(trainer.accumulate_grad_batches)
+        self.micro_batch = micro_batch_of(trainer.datamodule, trainer)
+        self._global_batch = self.micro_batch * trainer.world_size * int(trainer.accumulate_grad_batches)
         self._mark(trainer)
 
     def _mark(self, trainer: Any) -> None:
