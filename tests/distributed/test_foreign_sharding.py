@@ -3,40 +3,15 @@ from a plain ``L.Trainer``: the ranks train on disjoint samples whose union is t
 
 import os
 
-import lightning as L
 import pytest
-import torch
-from torch.utils.data import DataLoader, TensorDataset
 
 from gradsync.strategies import STRATEGIES
 from harness import fit
+from probe import Probe, ProbeData
 
 pytestmark = pytest.mark.timeout(120)
 
-SAMPLES, BATCH = 64, 4
-
-
-class PlainData(L.LightningDataModule):
-    def train_dataloader(self):
-        x = torch.arange(SAMPLES, dtype=torch.float32).unsqueeze(1)
-        return DataLoader(TensorDataset(x), batch_size=BATCH, shuffle=True)
-
-
-class Probe(L.LightningModule):
-    """Records the sample indices this rank trains on (in ``$PROBE_DIR/rank{r}.txt``); no logging."""
-
-    def __init__(self):
-        super().__init__()
-        self.layer = torch.nn.Linear(1, 1)
-
-    def training_step(self, batch, batch_idx):
-        (x,) = batch
-        with open(os.path.join(os.environ["PROBE_DIR"], f"rank{self.global_rank}.txt"), "a") as f:
-            f.write(" ".join(str(int(v)) for v in x.flatten()) + "\n")
-        return self.layer(x / SAMPLES).pow(2).mean()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
+SAMPLES, BATCH = 64, 4  # as tests/probe.py's ProbeData
 
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
@@ -44,7 +19,7 @@ def test_plain_datamodule_is_sharded_under_every_strategy(tmp_path, monkeypatch,
     monkeypatch.setenv("PROBE_DIR", str(tmp_path))
     steps = SAMPLES // (2 * BATCH)  # one epoch over both ranks
     # (use_distributed_sampler is Lightning's default; the harness turns it off for the recipes)
-    ranks = fit(Probe(), PlainData(), strategy=STRATEGIES[name](), devices=2, max_steps=steps, out=tmp_path,
+    ranks = fit(Probe(), ProbeData(), strategy=STRATEGIES[name](), devices=2, max_steps=steps, out=tmp_path,
                 use_distributed_sampler=True)
     seen = [[int(v) for line in (tmp_path / f"rank{r}.txt").read_text().split("\n") if line for v in line.split()]
             for r in (0, 1)]
