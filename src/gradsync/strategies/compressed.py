@@ -6,6 +6,13 @@ PowerSGD, the last three with error feedback. The codecs are DDP communication h
 compression overlaps with the rest of the backward pass (no hook waits for a hop), and they run on
 CPU/gloo as well as CUDA/NCCL. See docs/strategies/compressed.md for the math, the bytes and when to use which.
 
+``sign`` and ``topk`` compress each rank's SGD *velocity* instead of its gradient (momentum
+correction, :class:`~gradsync.comm.error_feedback.MomentumCorrection`): the strategy reads the
+momentum, dampening, nesterov and weight decay from the optimizer's parameter groups at every step,
+and sets that optimizer's momentum and weight decay to 0 for the duration of its step (restored
+right after, so the optimizer's own state and checkpoint keep the user's values), so momentum is
+applied once. ``--strategy.momentum_correction false`` compresses the gradient instead.
+
     gradsync fit --recipe digits --strategy compressed --strategy.codec int8 --devices 2 --accelerator cpu
     torchrun --nproc-per-node 8 -m gradsync.cli fit --strategy compressed --strategy.codec powersgd --strategy.rank 4
 """
@@ -15,8 +22,12 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable, Literal, Optional
 
+import torch
+
 from gradsync.comm import CODEC_OPTIONS, build_reducer, check_codec_options
+from gradsync.comm.codecs.common import ParamStore
 from gradsync.comm.ddp import ReducerHookState, reducer_hook
+from gradsync.comm.error_feedback import MomentumCorrection, SGDMomentum
 from gradsync.comm.hierarchical import INTER, NodeReducer
 from gradsync.comm.reducer import IdentityReducer, Reducer
 from gradsync.errors import check
@@ -27,6 +38,12 @@ Codec = Literal["identity", "fp16", "bf16", "int8", "int4", "sign", "topk", "pow
 #: Codecs whose error feedback is an option of ``compressed`` (on by default). The others send an
 #: unbiased or nearly exact mean every step and run without it.
 FEEDBACK_CODECS = ("sign", "topk", "powersgd")
+
+#: Codecs that compress the SGD velocity rather than the gradient, unless ``momentum_correction``
+#: is off: their error feedback compounds with the optimizer's momentum otherwise (issue 17).
+MOMENTUM_CODECS = ("sign", "topk")
+#: ... and those of them whose sparse messages mask the velocity where they sent (DGC).
+MASKING_CODECS = ("topk",)
 
 #: Warm-up steps when none are given: PowerSGD with error feedback or warm start follows torch's
 #: ``start_powerSGD_iter > 1`` rule; every other codec compresses from the first step.
@@ -47,6 +64,7 @@ class CompressedStrategy(GradsyncStrategy):
         fraction: float = 0.01,
         rank: int = 4,
         error_feedback: bool = True,
+        momentum_correction: bool = True,
         warm_start: bool = True,
         seed: int = 0,
         scope: Literal["world", "node"] = "world",
@@ -64,6 +82,10 @@ class CompressedStrategy(GradsyncStrategy):
             fraction: topk: share of entries sent per step, in (0, 1].
             rank: powersgd: rank of the approximation, >= 1.
             error_feedback: sign, topk, powersgd: carry what compression dropped into the next step.
+            momentum_correction: sign, topk: compress each rank's SGD velocity, not its gradient
+                (Deep Gradient Compression's momentum correction): the optimizer's momentum and
+                weight decay are read from it and applied before compression, and it steps without
+                them. ``false``: compress the gradient (the plain variants).
             warm_start: powersgd: start each power iteration from the previous step's Q.
             seed: int8, int4: seed of the stochastic rounding (rank r uses seed + r); powersgd: of the initial Q.
             scope: ``world``: the codec between every rank; ``node``: the hierarchical all-reduce —
@@ -78,6 +100,9 @@ class CompressedStrategy(GradsyncStrategy):
         check(error_feedback or codec in FEEDBACK_CODECS, "error_feedback", error_feedback,
               f"is not used by codec {codec} (only by {', '.join(FEEDBACK_CODECS)})",
               f"drop --strategy.error_feedback or choose --strategy.codec {FEEDBACK_CODECS[0]}")
+        check(momentum_correction or codec in MOMENTUM_CODECS, "momentum_correction", momentum_correction,
+              f"is not used by codec {codec} (only by {', '.join(MOMENTUM_CODECS)})",
+              f"drop --strategy.momentum_correction or choose --strategy.codec {MOMENTUM_CODECS[0]}")
         has_memory = codec == "powersgd" and (error_feedback or warm_start)
         if warmup_steps is None:
             warmup_steps = POWERSGD_MIN_WARMUP if has_memory else 0
@@ -94,8 +119,17 @@ class CompressedStrategy(GradsyncStrategy):
         self.warmup_steps = warmup_steps
         self.chunk_size, self.fraction, self.rank = chunk_size, fraction, rank
         self.error_feedback, self.warm_start, self.seed = error_feedback, warm_start, seed
+        self.momentum_correction = bool(momentum_correction)
         self._new_reducer()  # validates the codec's own options now, not at the first step
         self._hook_state: Optional[ReducerHookState] = None
+        self._velocities = ParamStore()  # shared by the warm-up and the codec reducer
+        self._step_momentum: Optional[dict] = None  # the optimizer's settings, frozen during its step
+        self._warned: set = set()
+
+    @property
+    def corrects_momentum(self) -> bool:
+        """True when the codec is sent the SGD velocity (and the optimizer steps without momentum)."""
+        return self.momentum_correction and self.codec in MOMENTUM_CODECS
 
     def _new_reducer(self, group: Any = None, scope: str = "world") -> Reducer:
         options = {k: getattr(self, k) for k in CODEC_OPTIONS}
@@ -111,15 +145,92 @@ class CompressedStrategy(GradsyncStrategy):
         else:
             reducer = self._new_reducer(self.comm_group)
             warmup = IdentityReducer(ledger=self.ledger, group=self.comm_group)
+        if self.corrects_momentum:
+            params = dict(self.lightning_module.named_parameters())
+            # Masking needs to know where the codec sent: the node-scoped reducer does not say.
+            masking = self.codec in MASKING_CODECS and self.scope != "node"
+            reducer = MomentumCorrection(reducer, settings=self._sgd_momentum, params=params, masking=masking,
+                                         worker_feedback=self.codec in MASKING_CODECS, velocities=self._velocities)
+            warmup = MomentumCorrection(warmup, settings=self._sgd_momentum, params=params,
+                                        velocities=self._velocities)
         self._hook_state = ReducerHookState(reducer=reducer, warmup=warmup, warmup_steps=self.warmup_steps,
                                             ).bind(self.lightning_module.named_parameters())
         return self._hook_state, reducer_hook
+
+    # ---- momentum correction: the optimizer's momentum, applied once ---------------------------
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        if self.corrects_momentum and getattr(trainer, "gradient_clip_val", None):
+            self._warn_once("clip", "compressed: with momentum correction, gradient clipping "
+                            f"(gradient_clip_val={trainer.gradient_clip_val}) clips the averaged velocity the "
+                            f"codec delivered, not each rank's gradient; set --strategy.momentum_correction false "
+                            f"to clip gradients")
+
+    def _sgd_momentum(self) -> dict:
+        """Parameter name -> :class:`SGDMomentum` of every parameter whose optimizer applies momentum.
+
+        Inside :meth:`optimizer_step` (where automatic optimization runs backward) the settings
+        read before the optimizer's momentum was set to 0; elsewhere (manual optimization) live.
+        """
+        if self._step_momentum is not None:
+            return self._step_momentum
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return self._read_momentum(trainer.optimizers if trainer is not None else [])[0]
+
+    def _read_momentum(self, optimizers: list) -> tuple[dict, list]:
+        """The settings by name, and the param groups whose momentum the codec takes over."""
+        names = {id(p): name for name, p in self.lightning_module.named_parameters()}
+        settings: dict = {}
+        groups: list = []
+        for opt in optimizers:
+            if not isinstance(opt, torch.optim.SGD):
+                self._warn_once(type(opt).__name__,
+                                f"compressed: momentum correction applies to torch.optim.SGD; {type(opt).__name__} "
+                                f"is sent plain gradients (--strategy.momentum_correction false silences this)")
+                continue
+            for group in opt.param_groups:
+                if group.get("maximize"):
+                    self._warn_once("maximize", "compressed: momentum correction skips SGD parameter groups with "
+                                    "maximize=True; their momentum is applied by the optimizer")
+                    continue
+                if not group.get("momentum"):
+                    continue  # nothing to take over: plain SGD sees the compressed gradient, as without correction
+                s = SGDMomentum(momentum=float(group["momentum"]), dampening=float(group.get("dampening", 0.0)),
+                                nesterov=bool(group.get("nesterov", False)),
+                                weight_decay=float(group.get("weight_decay", 0.0)))
+                settings.update({names[id(p)]: s for p in group["params"] if id(p) in names})
+                groups.append(group)
+        return settings, groups
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if not self.corrects_momentum:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        trainer = self.lightning_module.trainer
+        self._step_momentum, groups = self._read_momentum(list(trainer.optimizers) or [optimizer])
+        # The velocity already holds momentum and weight decay: this step applies the delivered
+        # mean as plain SGD. Restored before anything else (scheduler, checkpoint) sees the groups.
+        mine = {id(g) for g in getattr(optimizer, "param_groups", [])}
+        saved = [(g, g["momentum"], g["weight_decay"]) for g in groups if id(g) in mine]
+        for g, _, _ in saved:
+            g["momentum"], g["weight_decay"] = 0.0, 0.0
+        try:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        finally:
+            for g, momentum, weight_decay in saved:
+                g["momentum"], g["weight_decay"] = momentum, weight_decay
+            self._step_momentum = None
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned and self.global_rank == 0:
+            warnings.warn(message, stacklevel=3)
+        self._warned.add(key)
 
     # ---- algorithm state -------------------------------------------------------------------
     def algorithm_state_dict(self) -> dict:
         out = super().algorithm_state_dict()
         if self._hook_state is not None:
             out["compressed"] = {"codec": self.codec, "num_steps": self._hook_state.num_steps,
+                                 "momentum_correction": self.corrects_momentum,
                                  "codec_state": self._hook_state.reducer.state_dict()}
         return out
 
@@ -134,18 +245,42 @@ class CompressedStrategy(GradsyncStrategy):
                 warnings.warn(f"compressed: checkpoint was written with codec {saved.get('codec')}, this run uses "
                               f"{self.codec}; starting the {self.codec} codec state from scratch", stacklevel=2)
             return
+        was = bool(saved.get("momentum_correction", False))
+        if was != self.corrects_momentum:
+            # Residuals of velocities and of gradients are different quantities: neither fits the other.
+            if self.global_rank == 0:
+                warnings.warn(f"compressed: checkpoint was written with momentum correction {'on' if was else 'off'}, "
+                              f"this run has it {'on' if self.corrects_momentum else 'off'}; starting the "
+                              f"{self.codec} codec state from scratch", stacklevel=2)
+            return
         self._hook_state.reducer.load_state_dict(saved.get("codec_state", {}))
 
     def reshard_algorithm_state(self, parts: list, saved_world_size: int) -> Optional[dict]:
         # Residuals and rounding streams belong to one rank of one world size: reset them. The step
-        # counter is global (the same on every rank), so warm-up is not repeated.
+        # counter is global (the same on every rank), so warm-up is not repeated. Velocities are
+        # re-sharded: every rank starts from their mean over the saved ranks — without masking,
+        # exactly the momentum buffer sync SGD would hold.
         saved = parts[0].get("compressed")
+        velocities = _mean_velocities([p.get("compressed") or {} for p in parts]) if saved is not None else {}
         if saved is not None and self.global_rank == 0:
             reset = ", ".join(self._new_reducer().runtime_state_names())
+            kept = f"; momentum-correction velocities averaged over the {len(parts)} saved ranks" if velocities else ""
             if reset:
-                warnings.warn(
-                    f"compressed: {self.written_by(saved_world_size)}; reset codec state ({self.codec}): {reset}", stacklevel=2)
+                warnings.warn(f"compressed: {self.written_by(saved_world_size)}; reset codec state ({self.codec}): "
+                              f"{reset}{kept}", stacklevel=2)
         out: dict = {"ledger": parts[0].get("ledger", {})}
         if saved is not None:
-            out["compressed"] = {"codec": saved.get("codec"), "num_steps": saved["num_steps"], "codec_state": {}}
+            out["compressed"] = {"codec": saved.get("codec"), "num_steps": saved["num_steps"],
+                                 "momentum_correction": bool(saved.get("momentum_correction", False)),
+                                 "codec_state": {"velocities": velocities} if velocities else {}}
         return out
+
+
+def _mean_velocities(saved: list) -> dict:
+    """Name -> the mean of every saved rank's velocity (names all ranks hold, at one size)."""
+    stores = [(s.get("codec_state") or {}).get("velocities") or {} for s in saved]
+    if not stores or not all(stores):
+        return {}
+    names = set(stores[0]).intersection(*stores[1:])
+    return {name: torch.stack([st[name].float() for st in stores]).mean(0) for name in sorted(names)
+            if len({st[name].numel() for st in stores}) == 1}

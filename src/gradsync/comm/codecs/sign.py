@@ -24,6 +24,24 @@ C = ceil(L / chunk_size), M = L/8 + 4C bytes per shard message: 2(N-1)M in all, 
 
 The reducer residual of entries that moved to another rank's shard (a DDP bucket rebuild, a
 different set of tensors) is not lost: it is folded into this rank's input at the next reduction.
+
+**With SGD momentum** (the ``compressed`` strategy's default, ``momentum_correction``), what a rank
+compresses is not its gradient but its local heavy-ball velocity ``u <- m u + g``, and the
+optimizer applies the delivered mean without momentum of its own
+(:class:`~gradsync.comm.error_feedback.MomentumCorrection`) — Signum's idea of compressing the
+momentum (Bernstein, Wang, Azizzadenesheli, Anandkumar, "signSGD: Compressed Optimisation for
+Non-Convex Problems", ICML 2018), here with the scaled sign; 1-bit Adam's compression stage
+(Tang et al. 2021) likewise compresses the momentum, not the gradient. Unlike 1-bit Adam, the
+worker-side residual is then dropped and only the reducer-side one kept: the velocity already
+carries every gradient forward (what the compressor shaved off an entry this step is still in
+``u``, decayed by m, at the next), while a residual of velocities on top of it grew to about 10x
+the velocities themselves and dominated the signs. Measured on the
+digits recipe (SGD momentum 0.9, lr 0.05, batch 16, 150 steps, 2 ranks): with the worker residual
+0.919 / 0.875 val_acc (seeds 0 / 2), without it 0.963 / 0.966 / 0.963 / 0.963 / 0.973 (seeds 0-4),
+``sync`` 0.973 / 0.983 / 0.960 / 0.966 / 0.973; compressing the gradient and letting the optimizer
+apply momentum (the plain variant, ``--strategy.momentum_correction false``) 0.34 at seed 0. The
+reducer-side residual stays: it makes the second hop an unbiased relay of what the workers sent.
+The bytes on the wire are the same either way.
 """
 
 from __future__ import annotations

@@ -7,6 +7,17 @@ feedback (:class:`~gradsync.comm.error_feedback.ErrorFeedback`, on by default) w
 stays in the residual and is sent once it has grown large enough (Lin et al., "Deep Gradient
 Compression", ICLR 2018; Stich et al., "Sparsified SGD with Memory", NeurIPS 2018).
 
+**With SGD momentum** (the ``compressed`` strategy's default, ``momentum_correction``), this is
+Deep Gradient Compression's *momentum correction*
+(:class:`~gradsync.comm.error_feedback.MomentumCorrection`): each rank accumulates its velocity
+``u <- m u + g`` locally and the residual accumulates velocities, ``v <- v + u``; top-k of ``v``
+is sent and applied by the optimizer without momentum of its own. Top-k of the gradient followed
+by the optimizer's momentum (the plain variant) instead lets each late coordinate into the
+momentum buffer only when it is finally sent. *Momentum factor masking* then zeroes ``u`` (and
+``v``, already zero there) at the coordinates sent, so a coordinate whose accumulated velocity
+was just applied does not keep pushing with its stale momentum. DGC's local gradient clipping is
+not done here (Lightning clips after the reduction, i.e. the delivered update; the strategy warns).
+
 Bytes for n entries: (N-1) x 8k, against 2(N-1)/N x 4n for fp32 — a ratio of 1 / (N fraction):
 50x at the default 1% on 2 ranks, 12.5x on 8. All-gathered sparse vectors grow with N, so top-k
 suits few ranks and slow links; for many ranks prefer ``sign`` or ``powersgd``.
