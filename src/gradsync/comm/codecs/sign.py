@@ -157,6 +157,9 @@ class SignReducer(Reducer):
         msg = message_bytes(shard, self.chunk_size)
         yield self.ledger.all_to_all_single(recv, send, **self.account(sync))
         total = sum(self._decode(m, shard) for m in recv.view(world, msg).unbind(0))
+        real = n - rank * shard
+        if real < shard:  # the padding decoded to +-scale: zero it, or it would skew hop 2's last scale
+            total[max(real, 0):] = 0
 
         # Hop 2 (all-gather), reducer side.
         if self.reducer_feedback:
