@@ -104,3 +104,28 @@ def test_a_node_whose_node_zero_never_comes_fails_in_one_line(capsys, monkeypatc
                  "--master-addr", "127.0.0.1", "--master-port", str(port), "--timeout", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and f"node 0 did not answer at 127.0.0.1:{port} within 2 s" in err, err
+
+
+def test_torchrun_output_holds_back_only_a_rendezvous_timeout_traceback():
+    import io
+
+    from gradsync.platform.launch import TorchrunOutput
+
+    worker = ["Traceback (most recent call last):\n", '  File "train.py", line 3, in <module>\n',
+              "    main()\n", "ValueError: bad batch\n"]
+    agent = ["Traceback (most recent call last):\n", '  File "run.py", line 9, in _rendezvous\n',
+             "    store.wait()\n", "\n", "During handling of the above exception, another exception occurred:\n",
+             "\n", "Traceback (most recent call last):\n", '  File "run.py", line 12, in main\n',
+             "torch.distributed.DistStoreError: Timed out after 9 seconds waiting for clients. 1/2 clients joined.\n"]
+    sink = io.StringIO()
+    out = TorchrunOutput(sink)
+    for line in ["step 1\n", *worker, "W1204 a log line\n", *agent, "after\n"]:
+        out.feed(line)
+    out.close()
+    assert sink.getvalue() == "".join(["step 1\n", *worker, "W1204 a log line\n", "after\n"])
+    assert out.rendezvous_timeout == agent[-1].strip()
+    cut = TorchrunOutput(sink := io.StringIO())  # a traceback cut short by the process dying is not lost
+    for line in worker[:2]:
+        cut.feed(line)
+    cut.close()
+    assert sink.getvalue() == "".join(worker[:2]) and cut.rendezvous_timeout is None

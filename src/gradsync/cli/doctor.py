@@ -116,7 +116,7 @@ def main(argv: list[str]) -> int:
 
     if args.devices > 1 and not launch.inside_launcher():
         cfg = launch.LaunchConfig(nproc_per_node=args.devices).resolved()
-        return launch.run_torchrun(launch.torchrun_command(["doctor", *argv], cfg))
+        return launch.run_torchrun(launch.torchrun_command(["doctor", *argv], cfg))[0]
     lines, ok = allreduce_check(args.size_mb, args.accelerator)
     if int(os.environ.get("RANK", 0)) == 0:
         print("\n".join(report_lines() + lines), flush=True)

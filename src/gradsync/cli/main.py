@@ -480,8 +480,13 @@ def cmd_run(command: str, argv: list[str]) -> int:
                 if not launch.wait_for_node_zero(cfg, wait):
                     raise UsageError(f"node 0 did not answer at {cfg.master_addr}:{cfg.master_port} within {wait:g} s; "
                                      "start node 0 too, or check --master-addr and --master-port (and --timeout)")
-            rc = launch.run_torchrun(launch.torchrun_command([command, *argv], cfg))
-            if rc not in (0, 2):
+            rc, rendezvous_timeout = launch.run_torchrun(launch.torchrun_command([command, *argv], cfg))
+            if rendezvous_timeout:
+                wait = f" within {cfg.timeout:g} s" if cfg.timeout else ""
+                print(f"gradsync: error: not every node joined at {cfg.master_addr}:{cfg.master_port}{wait} "
+                      f"(torchrun: {rendezvous_timeout}); start all {cfg.nnodes} nodes with the same --master-addr "
+                      "and --master-port, or raise --timeout", file=sys.stderr)
+            elif rc not in (0, 2):
                 print(f"gradsync: error: the launched processes failed (torchrun exit status {rc}); the first "
                       f"worker error is above", file=sys.stderr)
             return rc

@@ -189,14 +189,62 @@ def _strip_launch_flags(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def run_torchrun(cmd: list[str]) -> int:
+#: The last line of torchrun's own traceback when this node's peers never joined the rendezvous.
+_RENDEZVOUS_TIMEOUT = re.compile(r"(DistStoreError|RendezvousTimeoutError|RendezvousError|TimeoutError).*"
+                                 r"(clients joined|[Tt]imed out|timeout)")
+
+
+class TorchrunOutput:
+    """Passes torchrun's stderr (its workers' included) through line by line, except the traceback
+    of a rendezvous that timed out, which it keeps back: ``rendezvous_timeout`` is then its last
+    line, and the caller reports it in one line. Every other traceback is passed on whole."""
+
+    def __init__(self, sink=None) -> None:
+        self.sink = sink if sink is not None else sys.stderr
+        self.held: list[str] = []
+        self.rendezvous_timeout: Optional[str] = None
+
+    def feed(self, line: str) -> None:
+        if self.held or line.startswith("Traceback (most recent call last):"):
+            self.held.append(line)
+            if line[:1] not in (" ", "\t", "\n", "") and not line.startswith(("Traceback", "During handling",
+                                                                             "The above exception")):
+                self._settle(line.strip())  # the exception line ends the traceback
+            return
+        self.sink.write(line)
+        self.sink.flush()
+
+    def _settle(self, last: str) -> None:
+        if _RENDEZVOUS_TIMEOUT.search(last):
+            self.rendezvous_timeout = last
+        else:
+            self.close()
+        self.held = []
+
+    def close(self) -> None:
+        if self.held:
+            self.sink.write("".join(self.held))
+            self.sink.flush()
+        self.held = []
+
+
+def run_torchrun(cmd: list[str]) -> tuple[int, Optional[str]]:
+    """Run torchrun; return its exit status and, when the rendezvous timed out (a peer node never
+    came), the exception line torchrun raised (its traceback is not shown)."""
     env = dict(os.environ)
     # Several processes on few cores: one thread each, or they oversubscribe the CPUs.
     env.setdefault("OMP_NUM_THREADS", "1")
+    out = TorchrunOutput()
     try:
-        return subprocess.call(cmd, env=env)
+        with subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1) as proc:
+            for line in proc.stderr:
+                out.feed(line)
+            rc = proc.wait()
     except KeyboardInterrupt:
-        return 130
+        return 130, None
+    finally:
+        out.close()
+    return rc, out.rendezvous_timeout
 
 
 def missing_master_address(cfg: LaunchConfig, env: Mapping[str, str] = os.environ) -> Optional[str]:
