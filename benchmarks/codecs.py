@@ -9,7 +9,8 @@ fp16, bf16, int8 and int4 run the reducers' own encode/decode (``gradsync.comm.c
 buffers allocated once, as the copy writes into a preallocated tensor: encode is what a rank does
 to its input before the first hop (cast and divide by N = 2; quantize with scales, noise and
 packing), decode turns one message back into float32. The other codecs call their modules'
-compress/decompress functions.
+compress/decompress functions (sign and topk decode into a buffer allocated once, sign encodes with
+a reused scratch).
 
 Timing is side by side: each repeat times the copy and then every codec once, so a machine that
 slows down (shared cores) slows both; the fraction of copy is the median of the per-repeat ratios.
@@ -85,6 +86,16 @@ def _quantized(reducer: QuantizedReducer, x: torch.Tensor) -> Callable[[], objec
     return run
 
 
+def _sign(x: torch.Tensor) -> Callable[[], object]:
+    work, out = torch.empty_like(x), torch.empty_like(x)
+    return lambda: sign.decompress(*sign.compress(x, CHUNK, work=work), CHUNK, out=out)
+
+
+def _topk(x: torch.Tensor, k: int) -> Callable[[], object]:
+    out = torch.empty_like(x)
+    return lambda: topk.decompress(*topk.compress(x, k), x.numel(), out=out)
+
+
 def codec_kernels(x: torch.Tensor) -> dict[str, tuple[Callable[[], object], Callable[[int], int]]]:
     """name -> (encode+decode of ``x``, wire bytes for n fp32 entries)."""
     k = topk.num_kept(x.numel(), FRACTION)
@@ -93,8 +104,8 @@ def codec_kernels(x: torch.Tensor) -> dict[str, tuple[Callable[[], object], Call
         "bf16": (_cast(Bf16Reducer(), x), lambda n: 2 * n),
         "int8": (_quantized(Int8Reducer(chunk_size=CHUNK), x), lambda n: Int8Reducer(chunk_size=CHUNK).message_bytes(n)),
         "int4": (_quantized(Int4Reducer(chunk_size=CHUNK), x), lambda n: Int4Reducer(chunk_size=CHUNK).message_bytes(n)),
-        "sign": (lambda: sign.decompress(*sign.compress(x, CHUNK), CHUNK), lambda n: sign.message_bytes(n, CHUNK)),
-        "topk": (lambda: topk.decompress(*topk.compress(x, k), x.numel()), lambda n: 8 * topk.num_kept(n, FRACTION)),
+        "sign": (_sign(x), lambda n: sign.message_bytes(n, CHUNK)),
+        "topk": (_topk(x, k), lambda n: 8 * topk.num_kept(n, FRACTION)),
         "powersgd": (lambda: _powersgd(x, RANK), lambda n: 4 * 2 * RANK * int(math.sqrt(n))),
     }
 
@@ -162,7 +173,7 @@ def run(out: Path, quick: bool = False, device: Optional[str] = None) -> Report:
                      f"{repeats} side-by-side rounds, medians; fraction of copy = median of the per-round ratios.")
     rep.notes.append(f"fp16/bf16/int8/int4: the reducers' encode (cast and divide by N={WORLD}; quantize, scales, noise, "
                      "packing) and decode, into buffers allocated once; sign, topk, powersgd: their compress/decompress "
-                     f"functions. Chunk {CHUNK} entries, topk {FRACTION:.0%}, powersgd rank {RANK}.")
+                     "functions (sign's scratch and both decoded outputs allocated once). Chunk {CHUNK} entries, topk {FRACTION:.0%}, powersgd rank {RANK}.")
     for name in NOTE_ONLY:
         _, gbps, fraction, ratio, two, many = figures[name]
         rep.notes.append(f"{name}: {gbps:.3g} GB/s, {fraction:.3g} of copy, compression ratio {ratio:.3g}, "

@@ -88,6 +88,66 @@ def test_sign_round_trip_is_scaled_sign():
     torch.testing.assert_close(out.abs(), expected_scales.repeat_interleave(64)[:200])
 
 
+def reference_sign(x: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sign message as gradsync encoded it before the fast path, written out plainly: signs
+    packed high bit first (x >= 0 is +), and each chunk's mean |x| over its own entries, from a
+    zero-padded (chunks, chunk_size) table."""
+    n = x.numel()
+    rows = max(1, math.ceil(n / chunk_size))
+    table = torch.zeros(rows * chunk_size)
+    table[:n] = x
+    counts = torch.full((rows,), float(chunk_size))
+    counts[-1] = n - chunk_size * (rows - 1)
+    scales = table.view(rows, chunk_size).abs().sum(dim=1) / counts
+    bits = (x >= 0).to(torch.uint8).view(-1, 8)
+    packed = (bits << torch.arange(7, -1, -1, dtype=torch.uint8)).sum(dim=1, dtype=torch.uint8)
+    return packed, scales
+
+
+@pytest.mark.parametrize("n,chunk", [(8, 8), (200, 64), (4096, 512), (8008, 2048), (1 << 20, 2048), (3 * 5000 + 8, 512)])
+def test_sign_messages_are_bit_identical_to_the_reference_encoding(n, chunk):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g) * torch.rand(n, generator=g).pow(4)
+    x[::97] = 0.0
+    x[1::89] = -0.0  # counts as + (x >= 0), like +0
+    packed, scales = sign.compress(x, chunk)
+    ref_packed, ref_scales = reference_sign(x, chunk)
+    assert torch.equal(packed, ref_packed), "not the same sign bits on the wire"
+    assert torch.equal(scales.view(torch.int32), ref_scales.view(torch.int32)), "not the same scales"
+    work, out = torch.empty(n), torch.empty(n)  # the same with the buffers a caller reuses
+    again = sign.compress(x, chunk, work=work)
+    assert torch.equal(again[0], packed) and torch.equal(again[1], scales)
+    decoded = sign.decompress(packed, scales, chunk, out=out)
+    assert decoded.data_ptr() == out.data_ptr()
+    expect = torch.where(x >= 0, 1.0, -1.0) * ref_scales.repeat_interleave(chunk)[:n]
+    assert torch.equal(decoded, expect)
+
+
+@pytest.mark.parametrize("n,fraction", [(5000, 0.01), (1 << 20, 0.01), (1 << 20, 0.001), (3 << 19, 0.05), (1 << 20, 0.2)])
+def test_topk_sends_exactly_the_entries_of_a_full_selection(n, fraction):
+    """The sampled-threshold fast path picks the same (index, value) pairs as torch.topk over the
+    whole vector, in ascending index order (the message is canonical)."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g) * torch.rand(n, generator=g).pow(3)
+    k = topk.num_kept(n, fraction)
+    idx, vals = topk.compress(x, k)
+    ref = torch.topk(x.abs(), k).indices.sort().values
+    assert idx.dtype == torch.int32 and torch.equal(idx.long(), ref)
+    assert torch.equal(vals, x[ref])
+
+
+def test_topk_falls_back_when_the_sample_misjudges_the_threshold():
+    n = 1 << 20
+    k = topk.num_kept(n, 0.01)
+    x = torch.rand(n, generator=torch.Generator().manual_seed(0)) * 50
+    sampled = x[:: n // topk.SAMPLE]  # the sample sees a few large entries and zeros: its threshold,
+    sampled.zero_()                   # 100, keeps fewer than k candidates, and the whole vector is searched
+    sampled[:3000] = 100.0
+    idx, vals = topk.compress(x, k)
+    ref = torch.topk(x.abs(), k).indices.sort().values
+    assert torch.equal(idx.long(), ref) and torch.equal(vals, x[ref])
+
+
 def test_topk_keeps_largest_entries():
     x = torch.tensor([0.1, -5.0, 0.3, 4.0, -0.2, 0.0])
     idx, vals = topk.compress(x, 2)

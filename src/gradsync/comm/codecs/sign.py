@@ -47,38 +47,72 @@ The bytes on the wire are the same either way.
 from __future__ import annotations
 
 import math
-from typing import Hashable
+from typing import Hashable, Optional
 
 import torch
 
 from gradsync.comm.codecs.common import (
-    ParamStore, bytes_float, chunked, flatten, float_bytes, keys_of, pad_to, shard_length, unflatten,
+    ParamStore, bytes_float, flatten, float_bytes, keys_of, pad_to, shard_length, unflatten,
 )
 from gradsync.comm.futures import Reduction
 from gradsync.comm.reducer import Reducer
 from gradsync.errors import check
 
-_SHIFTS = torch.arange(7, -1, -1, dtype=torch.uint8)
+#: Packs the 8 booleans (one byte each) of an int64 into one byte, first entry in the high bit:
+#: the product puts byte i's bit 0 at bit 63 - i and no two partial products overlap (no carries).
+_PACK = 0x8040201008040201 - 2**64  # as a signed int64
+_TABLES: dict = {}
 
 
-def compress(x: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(packed sign bits, per-chunk mean |x|)`` of ``x`` (1-d, length a multiple of 8)."""
+def _sign_table(device: torch.device) -> torch.Tensor:
+    """(256, 8) float32: the +-1 signs of every byte value, high bit first."""
+    table = _TABLES.get(device)
+    if table is None:
+        bits = (torch.arange(256).unsqueeze(1) >> torch.arange(7, -1, -1)) & 1
+        table = _TABLES[device] = (bits.to(torch.float32) * 2 - 1).to(device)
+    return table
+
+
+def compress(x: torch.Tensor, chunk_size: int, *, work: Optional[torch.Tensor] = None,
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(packed sign bits, per-chunk mean |x|)`` of ``x`` (1-d, length a multiple of 8).
+
+    The mean is over the chunk's entries (a partial last chunk counts only its own); entries
+    ``>= 0`` (including -0.0) are sent as +. ``work``: float32 scratch of ``x.numel()`` entries.
+    A few passes over memory: |x| into the scratch and its row sums, one comparison, and packing
+    8 booleans at a time with one integer multiply.
+    """
     check(x.numel() % 8 == 0, "x.numel()", x.numel(), "must be a multiple of 8 to pack signs")
-    rows = chunked(x.to(torch.float32), chunk_size)
-    # Mean over the chunk's real entries: the last chunk may be padded.
-    counts = torch.full((rows.shape[0],), float(chunk_size), device=x.device)
-    counts[-1] = x.numel() - chunk_size * (rows.shape[0] - 1)
-    scales = rows.abs().sum(dim=1) / counts
-    bits = (x >= 0).to(torch.uint8).view(-1, 8)
-    packed = (bits << _SHIFTS.to(x.device)).sum(dim=1, dtype=torch.uint8)
+    x = x.to(torch.float32)
+    n = x.numel()
+    work = torch.empty(n, dtype=torch.float32, device=x.device) if work is None else work.view(-1)[:n]
+    a = torch.abs(x, out=work)
+    full = n // chunk_size
+    parts = []
+    if full:
+        parts.append(a[:full * chunk_size].view(full, chunk_size).sum(dim=1).div_(chunk_size))
+    if n > full * chunk_size or not n:
+        tail = a[full * chunk_size:]
+        parts.append((tail.sum() / max(tail.numel(), 1)).reshape(1))
+    scales = torch.cat(parts) if len(parts) > 1 else parts[0]
+    positive = torch.ge(x, 0, out=work.view(torch.uint8)[:n].view(torch.bool))
+    packed = positive.view(torch.uint8).view(torch.int64).mul(_PACK)
+    packed = packed.bitwise_right_shift_(56).bitwise_and_(0xFF).to(torch.uint8)
     return packed, scales
 
 
-def decompress(packed: torch.Tensor, scales: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    bits = (packed.unsqueeze(1) >> _SHIFTS.to(packed.device)) & 1
-    signs = bits.flatten().to(torch.float32) * 2 - 1
-    rows = chunked(signs, chunk_size)
-    return (rows * scales.unsqueeze(1)).flatten()[: signs.numel()]
+def decompress(packed: torch.Tensor, scales: torch.Tensor, chunk_size: int, *,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``scale * sign`` of every entry (``8 x packed.numel()`` of them), into ``out`` when given."""
+    n = packed.numel() * 8
+    out = torch.empty(n, dtype=torch.float32, device=packed.device) if out is None else out.view(-1)[:n]
+    torch.index_select(_sign_table(packed.device), 0, packed.to(torch.int32), out=out.view(-1, 8))
+    full = n // chunk_size
+    if full:
+        out[:full * chunk_size].view(full, chunk_size).mul_(scales[:full].unsqueeze(1))
+    if n > full * chunk_size:
+        out[full * chunk_size:].mul_(scales[full])
+    return out
 
 
 def message_bytes(shard: int, chunk_size: int) -> int:
