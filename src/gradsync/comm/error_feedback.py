@@ -113,17 +113,33 @@ class SGDMomentum:
     weight_decay: float = 0.0
 
 
-class _Corrected:
-    """The names whose velocity a :class:`MomentumCorrection` sends: its :class:`ErrorFeedback` keeps no
-    residual for them. Behind the node-scoped reducer, which sends one shard named after its whole
-    bucket, every name once any tensor is corrected."""
+@dataclass(frozen=True)
+class AdamMoments:
+    """One parameter's Adam settings, as ``torch.optim.Adam`` / ``AdamW`` apply them.
 
-    def __init__(self, settings: Callable[[], Mapping[str, SGDMomentum]], by_name: bool) -> None:
+    ``weight_decay`` is Adam's L2 term (added to the gradient before the moments); AdamW's
+    decoupled decay is not a moment matter and stays with the optimizer step.
+    """
+
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float = 0.0
+
+
+class _Corrected:
+    """The names whose SGD velocity a :class:`MomentumCorrection` sends: its :class:`ErrorFeedback`
+    keeps no residual for them (Adam directions keep theirs: see the class). Behind the node-scoped
+    reducer, which sends one shard named after its whole bucket, every name once any SGD tensor is."""
+
+    def __init__(self, settings: Callable[[], Mapping[str, object]], by_name: bool) -> None:
         self.settings, self.by_name = settings, by_name
 
     def __contains__(self, name: object) -> bool:
         settings = self.settings()
-        return name in settings if self.by_name else bool(settings)
+        if self.by_name:
+            return isinstance(settings.get(name), SGDMomentum)
+        return any(isinstance(s, SGDMomentum) for s in settings.values())
 
 
 def _error_feedback_in(reducer: Reducer) -> Optional[ErrorFeedback]:
@@ -146,7 +162,9 @@ class MomentumCorrection(Reducer):
 
     def __init__(self, inner: Reducer, *, settings: Callable[[], Mapping[str, SGDMomentum]],
                  params: Optional[Mapping[str, torch.Tensor]] = None, masking: bool = False,
-                 worker_feedback: bool = True, velocities: Optional[ParamStore] = None) -> None:
+                 worker_feedback: bool = True, velocities: Optional[ParamStore] = None,
+                 grad_scale: Optional[Callable[[], float]] = None, second_moments: Optional[ParamStore] = None,
+                 adam_steps: Optional[dict] = None) -> None:
         """
         Args:
             inner: the reducer the velocities go through.
@@ -157,6 +175,10 @@ class MomentumCorrection(Reducer):
             worker_feedback: keep the :class:`ErrorFeedback` residual inside ``inner`` for the
                 corrected tensors. Off for ``sign``: see the module docstring.
             velocities: the store to keep velocities in (shared between wrappers).
+            second_moments, adam_steps: where Adam's second moments and step counts live (shared
+                like ``velocities``, which hold Adam's first moments).
+            grad_scale: factor that turns the incoming gradient into this rank's mean gradient
+                (a weighted loss back-propagates sums); read at every reduction, for Adam.
         """
         super().__init__(ledger=inner.ledger, group=inner.group, scope=inner.scope)
         self.inner = inner
@@ -173,6 +195,10 @@ class MomentumCorrection(Reducer):
         if not self.worker_feedback and feedback is not None:
             feedback.exempt = _Corrected(settings, by_name=feedback is inner)
         self.velocities = velocities if velocities is not None else ParamStore()
+        self.grad_scale = grad_scale
+        #: Adam's second moments and per-name step counts (first moments live in ``velocities``).
+        self.second_moments = second_moments if second_moments is not None else ParamStore()
+        self.adam_steps: dict[str, int] = adam_steps if adam_steps is not None else {}
 
     def world_size(self) -> int:
         return self.inner.world_size()
@@ -187,6 +213,10 @@ class MomentumCorrection(Reducer):
             s = settings.get(name)
             if s is None:
                 inputs.append(t)
+                continue
+            if isinstance(s, AdamMoments):
+                inputs.append(self._adam_direction(t, name, s).view(t.shape))
+                corrected.append(i)
                 continue
             d = t.to(torch.float32).reshape(-1)
             if s.weight_decay:
@@ -207,12 +237,36 @@ class MomentumCorrection(Reducer):
                 self.velocities.pieces[names[i]].masked_fill_(sent[i].reshape(-1) != 0, 0.0)
         return [mean.to(t.dtype) for mean, t in zip(means, tensors)], None
 
+    def _adam_direction(self, t: torch.Tensor, name: str, s: AdamMoments) -> torch.Tensor:
+        """This rank's Adam step direction from its own gradient, moments kept here:
+        ``m_hat / (sqrt(v_hat) + eps)`` (the optimizer then applies ``-lr`` times the delivered mean)."""
+        d = t.to(torch.float32).reshape(-1)
+        if self.grad_scale is not None:
+            d = d * self.grad_scale()
+        if s.weight_decay:
+            d = d + s.weight_decay * self.params[name].detach().to(d.device, torch.float32).reshape(-1)
+        m = self.velocities.get(name, d.numel(), d).mul_(s.beta1).add_(d, alpha=1.0 - s.beta1)
+        v = self.second_moments.get(name, d.numel(), d).mul_(s.beta2).addcmul_(d, d, value=1.0 - s.beta2)
+        self.velocities.pieces[name], self.second_moments.pieces[name] = m, v
+        step = self.adam_steps.get(name, 0) + 1
+        self.adam_steps[name] = step
+        denom = v.div(1.0 - s.beta2 ** step).sqrt_().add_(s.eps)
+        return m.div(1.0 - s.beta1 ** step).div_(denom)
+
     def state_dict(self) -> dict:
-        return {**self.inner.state_dict(), "velocities": self.velocities.state_dict()}
+        out = {**self.inner.state_dict(), "velocities": self.velocities.state_dict()}
+        if self.adam_steps:
+            out["adam"] = {"second_moments": self.second_moments.state_dict(),
+                           "steps": {k: torch.tensor(v) for k, v in self.adam_steps.items()}}
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         self.velocities.load_state_dict(state.get("velocities", {}))
-        self.inner.load_state_dict({k: v for k, v in state.items() if k != "velocities"})
+        adam = state.get("adam") or {}
+        self.second_moments.load_state_dict(adam.get("second_moments", {}))
+        self.adam_steps.clear()  # in place: a warm-up wrapper may share it
+        self.adam_steps.update({k: int(v) for k, v in (adam.get("steps") or {}).items()})
+        self.inner.load_state_dict({k: v for k, v in state.items() if k not in ("velocities", "adam")})
 
     def runtime_state_names(self) -> list[str]:
         return ["momentum-correction velocities", *self.inner.runtime_state_names()]

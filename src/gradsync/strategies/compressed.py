@@ -11,7 +11,9 @@ correction, :class:`~gradsync.comm.error_feedback.MomentumCorrection`): the stra
 momentum, dampening, nesterov and weight decay from the optimizer's parameter groups at every step,
 and sets that optimizer's momentum and weight decay to 0 for the duration of its step (restored
 right after, so the optimizer's own state and checkpoint keep the user's values), so momentum is
-applied once. ``--strategy.momentum_correction false`` compresses the gradient instead.
+applied once. With Adam or AdamW each rank sends its own Adam direction (moments of its own
+gradient, kept as codec state) and the step applies the delivered mean with the learning rate and
+decoupled decay. ``--strategy.momentum_correction false`` compresses the gradient instead.
 
     gradsync fit --recipe digits --strategy compressed --strategy.codec int8 --devices 2 --accelerator cpu
     torchrun --nproc-per-node 8 -m gradsync.cli fit --strategy compressed --strategy.codec powersgd --strategy.rank 4
@@ -27,7 +29,7 @@ import torch
 from gradsync.comm import CODEC_OPTIONS, build_reducer, check_codec_options
 from gradsync.comm.codecs.common import ParamStore
 from gradsync.comm.ddp import ReducerHookState, reducer_hook
-from gradsync.comm.error_feedback import MomentumCorrection, SGDMomentum
+from gradsync.comm.error_feedback import AdamMoments, MomentumCorrection, SGDMomentum
 from gradsync.comm.hierarchical import INTER, NodeReducer
 from gradsync.comm.reducer import IdentityReducer, Reducer
 from gradsync.errors import check
@@ -42,6 +44,8 @@ FEEDBACK_CODECS = ("sign", "topk", "powersgd")
 #: Codecs that compress the SGD velocity rather than the gradient, unless ``momentum_correction``
 #: is off: their error feedback compounds with the optimizer's momentum otherwise (issue 17).
 MOMENTUM_CODECS = ("sign", "topk")
+#: Optimizers whose step direction the codecs send under momentum correction, besides SGD.
+ADAM_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW)
 #: ... and those of them whose sparse messages mask the velocity where they sent (DGC).
 MASKING_CODECS = ("topk",)
 
@@ -82,10 +86,10 @@ class CompressedStrategy(GradsyncStrategy):
             fraction: topk: share of entries sent per step, in (0, 1].
             rank: powersgd: rank of the approximation, >= 1.
             error_feedback: sign, topk, powersgd: carry what compression dropped into the next step.
-            momentum_correction: sign, topk: compress each rank's SGD velocity, not its gradient
-                (Deep Gradient Compression's momentum correction): the optimizer's momentum and
-                weight decay are read from it and applied before compression, and it steps without
-                them. ``false``: compress the gradient (the plain variants).
+            momentum_correction: sign, topk: compress each rank's SGD velocity (Deep Gradient
+                Compression's momentum correction) or, with Adam/AdamW, its Adam direction, not its
+                gradient: the optimizer's settings are read from it and applied before compression,
+                and its step applies the delivered mean. ``false``: compress the gradient (the plain variants).
             warm_start: powersgd: start each power iteration from the previous step's Q.
             seed: int8, int4: seed of the stochastic rounding (rank r uses seed + r); powersgd: of the initial Q.
             scope: ``world``: the codec between every rank; ``node``: the hierarchical all-reduce —
@@ -123,8 +127,10 @@ class CompressedStrategy(GradsyncStrategy):
         self._new_reducer()  # validates the codec's own options now, not at the first step
         self._hook_state: Optional[ReducerHookState] = None
         self._velocities = ParamStore()  # shared by the warm-up and the codec reducer
+        self._second_moments, self._adam_steps = ParamStore(), {}  # ... and Adam's other moments
         self._step_momentum: Optional[dict] = None  # the optimizer's settings, frozen during its step
         self._warned: set = set()
+        self._adam_stepping = False
 
     @property
     def corrects_momentum(self) -> bool:
@@ -149,10 +155,13 @@ class CompressedStrategy(GradsyncStrategy):
             params = dict(self.lightning_module.named_parameters())
             # Masking needs to know where the codec sent: the node-scoped reducer does not say.
             masking = self.codec in MASKING_CODECS and self.scope != "node"
+            # the warm-up and the codec's wrapper share every moment, so nothing restarts when compression does
+            shared = dict(velocities=self._velocities, second_moments=self._second_moments,
+                          adam_steps=self._adam_steps, grad_scale=self._local_gradient_scale)
             reducer = MomentumCorrection(reducer, settings=self._sgd_momentum, params=params, masking=masking,
-                                         worker_feedback=self.codec in MASKING_CODECS, velocities=self._velocities)
-            warmup = MomentumCorrection(warmup, settings=self._sgd_momentum, params=params,
-                                        velocities=self._velocities)
+                                         worker_feedback=self.codec in MASKING_CODECS,
+                                         **shared)
+            warmup = MomentumCorrection(warmup, settings=self._sgd_momentum, params=params, **shared)
         self._hook_state = ReducerHookState(reducer=reducer, warmup=warmup, warmup_steps=self.warmup_steps,
                                             ).bind(self.lightning_module.named_parameters())
         return self._hook_state, reducer_hook
@@ -183,10 +192,16 @@ class CompressedStrategy(GradsyncStrategy):
         settings: dict = {}
         groups: list = []
         for opt in optimizers:
+            if isinstance(opt, ADAM_OPTIMIZERS):
+                adam = self._read_adam(opt, names)
+                if adam is not None:
+                    settings.update(adam)
+                continue
             if not isinstance(opt, torch.optim.SGD):
                 self._warn_once(type(opt).__name__,
-                                f"compressed: momentum correction applies to torch.optim.SGD; {type(opt).__name__} "
-                                f"is sent plain gradients (--strategy.momentum_correction false silences this)")
+                                f"compressed: momentum correction applies to torch.optim.SGD, Adam and AdamW; "
+                                f"{type(opt).__name__} is sent plain gradients (--strategy.momentum_correction false "
+                                f"silences this)")
                 continue
             for group in opt.param_groups:
                 if group.get("maximize"):
@@ -202,11 +217,76 @@ class CompressedStrategy(GradsyncStrategy):
                 groups.append(group)
         return settings, groups
 
+    def _read_adam(self, opt: Any, names: dict) -> Optional[dict]:
+        """Name -> :class:`AdamMoments` for every parameter of ``opt`` (Adam or AdamW), or None when
+        some group uses an option the correction does not reproduce (it then gets plain gradients)."""
+        unsupported = [k for k in ("amsgrad", "maximize") if any(g.get(k) for g in opt.param_groups)]
+        if unsupported:
+            self._warn_once(f"adam-{unsupported}", f"compressed: momentum correction does not reproduce "
+                            f"{type(opt).__name__}({'=True, '.join(unsupported)}=True); it is sent plain gradients")
+            return None
+        decoupled = isinstance(opt, torch.optim.AdamW) or any(g.get("decoupled_weight_decay") for g in opt.param_groups)
+        out = {}
+        for group in opt.param_groups:
+            beta1, beta2 = (float(b) for b in group["betas"])
+            s = AdamMoments(beta1=beta1, beta2=beta2, eps=float(group["eps"]),
+                            weight_decay=0.0 if decoupled else float(group.get("weight_decay", 0.0)))
+            out.update({names[id(p)]: s for p in group["params"] if id(p) in names})
+        return out
+
+    def _local_gradient_scale(self) -> float:
+        """What turns this rank's gradient into its mean gradient: a weighted loss back-propagates
+        ``sum_mb w * grad / K``; its Adam direction needs ``grad / w`` (the moments are not linear)."""
+        if self._weighted and self._weight_sum > 0:
+            return self.accumulation_steps / self._weight_sum
+        return 1.0
+
+    def _normalize_weighted_gradients(self, optimizer: Any) -> None:
+        if not self._adam_stepping:  # a delivered Adam direction is normalized already
+            super()._normalize_weighted_gradients(optimizer)
+
+    def _adam_step(self, optimizer: Any, closure: Callable[[], Any], model: Any, **kwargs: Any) -> Any:
+        """Apply the delivered mean of the ranks' Adam directions: ``w <- w - lr (mean + decoupled wd w)``.
+
+        The optimizer's own ``step`` is replaced for this one call: its moments are not used (each
+        rank's are kept by the codec's :class:`MomentumCorrection` and checkpointed there)."""
+        decoupled = isinstance(optimizer, torch.optim.AdamW) or any(
+            g.get("decoupled_weight_decay") for g in optimizer.param_groups)
+
+        @torch.no_grad()
+        def step(closure: Optional[Callable[[], Any]] = None) -> Any:
+            with torch.enable_grad():
+                loss = closure() if closure is not None else None
+            for group in optimizer.param_groups:
+                lr = float(group["lr"])
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    if decoupled and group.get("weight_decay"):
+                        p.mul_(1.0 - lr * float(group["weight_decay"]))
+                    p.add_(p.grad, alpha=-lr)
+            return loss
+
+        optimizer.step = step
+        self._adam_stepping = True
+        try:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        finally:
+            del optimizer.step  # back to the class's own step
+            self._adam_stepping = False
+
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         if not self.corrects_momentum:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         trainer = self.lightning_module.trainer
         self._step_momentum, groups = self._read_momentum(list(trainer.optimizers) or [optimizer])
+        names = {id(p): name for name, p in self.lightning_module.named_parameters()}
+        if isinstance(optimizer, ADAM_OPTIMIZERS) and any(
+                names.get(id(p)) in self._step_momentum for g in optimizer.param_groups for p in g["params"]):
+            try:
+                return self._adam_step(optimizer, closure, model, **kwargs)
+            finally:
+                self._step_momentum = None
         # The velocity already holds momentum and weight decay: this step applies the delivered
         # mean as plain SGD. Restored before anything else (scheduler, checkpoint) sees the groups.
         mine = {id(g) for g in getattr(optimizer, "param_groups", [])}
