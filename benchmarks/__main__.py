@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-SUITES = ("codecs", "allreduce", "overhead", "slowlink", "lowcomm", "nodes", "straggler")
+SUITES = ("codecs", "convergence", "allreduce", "overhead", "slowlink", "lowcomm", "nodes", "straggler")
 HERE = Path(__file__).parent
 
 

@@ -126,3 +126,15 @@ def test_straggler(tmp_path):
     acc = (model(x).argmax(1) == y).float().mean().item()
     assert acc > 0.5  # 12 steps of SGD do train
     assert all(r["acc_sync"] == pytest.approx(acc, abs=1.5 / len(y)) for r in results), (acc, results)
+
+
+def test_convergence(tmp_path):
+    from benchmarks import convergence
+
+    convergence.run(tmp_path, quick=True)
+    data = _check(tmp_path, "convergence")
+    rows = {(r[0], r[2]): dict(zip(data["columns"], r)) for r in data["rows"]}
+    assert set(rows) == {("digits", "sync"), ("digits", "int8"), ("chargpt", "sync"), ("chargpt", "int8")}
+    assert rows[("digits", "sync")]["vs sync"] == "+0.0 points" and rows[("chargpt", "sync")]["vs sync"] == "+0.00 %"
+    assert rows[("digits", "int8")]["compression ratio"] > 3.9
+    assert rows[("chargpt", "sync")]["compression ratio"] == pytest.approx(1.0, abs=1e-3)  # control traffic only
