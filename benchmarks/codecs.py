@@ -173,7 +173,7 @@ def run(out: Path, quick: bool = False, device: Optional[str] = None) -> Report:
                      f"{repeats} side-by-side rounds, medians; fraction of copy = median of the per-round ratios.")
     rep.notes.append(f"fp16/bf16/int8/int4: the reducers' encode (cast and divide by N={WORLD}; quantize, scales, noise, "
                      "packing) and decode, into buffers allocated once; sign, topk, powersgd: their compress/decompress "
-                     "functions (sign's scratch and both decoded outputs allocated once). Chunk {CHUNK} entries, topk {FRACTION:.0%}, powersgd rank {RANK}.")
+                     f"functions (sign's scratch and both decoded outputs allocated once). Chunk {CHUNK} entries, topk {FRACTION:.0%}, powersgd rank {RANK}.")
     for name in NOTE_ONLY:
         _, gbps, fraction, ratio, two, many = figures[name]
         rep.notes.append(f"{name}: {gbps:.3g} GB/s, {fraction:.3g} of copy, compression ratio {ratio:.3g}, "

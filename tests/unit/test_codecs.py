@@ -123,7 +123,8 @@ def test_sign_messages_are_bit_identical_to_the_reference_encoding(n, chunk):
     assert torch.equal(decoded, expect)
 
 
-@pytest.mark.parametrize("n,fraction", [(5000, 0.01), (1 << 20, 0.01), (1 << 20, 0.001), (3 << 19, 0.05), (1 << 20, 0.2)])
+@pytest.mark.parametrize("n,fraction", [(5000, 0.01), (1 << 20, 0.01), (1 << 20, 0.001), (3 << 19, 0.05), (1 << 20, 0.2),
+                                        ((1 << 20) + 13, 0.01)])  # + 13: entries past the last full column
 def test_topk_sends_exactly_the_entries_of_a_full_selection(n, fraction):
     """The sampled-threshold fast path picks the same (index, value) pairs as torch.topk over the
     whole vector, in ascending index order (the message is canonical)."""
