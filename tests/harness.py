@@ -83,7 +83,9 @@ def fit(model: L.LightningModule, data: L.LightningDataModule, *, strategy: Any 
     )
     trainer = L.Trainer(**{**settings, **trainer_kwargs})
     trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(devices)]
+    # map_location: a CUDA run's tensors load on the CPU, so this process never creates a CUDA context (the
+    # next fork-launched fit would refuse to start).
+    return [torch.load(out / f"rank{r}.pt", weights_only=False, map_location="cpu") for r in range(devices)]
 
 
 class ValAccuracy(Callback):

@@ -114,7 +114,9 @@ def encode_codes(x: torch.Tensor, chunk_size: int, levels: int, noise: RoundingN
 def decode_codes(codes: torch.Tensor, scales: torch.Tensor, chunk_size: int, levels: int,
                  out: torch.Tensor) -> torch.Tensor:
     """``q * scale / levels`` for every row of ``codes`` (integers ``q``, rows x length), into ``out`` (float32)."""
-    step = scales / levels
+    # A divisor on the device, not a Python number: CUDA divides by a host scalar as a multiply by its
+    # reciprocal, one rounding off the CPU's quotient; a device tensor gets the correctly rounded quotient.
+    step = scales / scales.new_tensor(float(levels))
     out.copy_(codes)
     for ov, chunks in _chunk_views(out, chunk_size):
         ov.mul_(step[:, chunks].unsqueeze(2))
@@ -229,7 +231,7 @@ class QuantizedReducer(Reducer):
         codes = self.codes_buffer(rows, shard, x.device)
         scales = encode_codes(x, self.chunk_size, self.levels, self.noise(), payload if codes is None else codes, work)
         if divisor != 1:
-            scales.div_(divisor)
+            scales.div_(scales.new_tensor(float(divisor)))  # correctly rounded on CUDA too (see decode_codes)
         self.write_payload(codes, payload)
         msgs[:, payload.shape[1]:].copy_(scales.view(torch.uint8))
 
