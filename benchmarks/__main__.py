@@ -48,6 +48,10 @@ def write_results(out: Path, target: Path) -> None:
         md = out / f"{suite}.md"
         if md.exists():
             parts += [md.read_text(), f"![{suite}](results/{suite}.png)" if (out / f"{suite}.png").exists() else "", ""]
+    gpu = HERE / "results-gpu"  # written on a GPU machine by scripts/gpu_check.sh; figures only, no plots
+    for suite in SUITES:
+        if (gpu / f"{suite}.md").exists():
+            parts += [(gpu / f"{suite}.md").read_text().replace("## ", "## On a GPU: ", 1), ""]
     target.write_text("\n".join(parts))
 
 

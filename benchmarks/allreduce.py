@@ -96,6 +96,10 @@ def run(out: Path, quick: bool = False, world: int = 2, backend: str = "") -> Re
         sync_bw = size / r["sync"] / 1e9 * factor
         rep.rows.append([label, r["raw"] * 1e3, r["sync"] * 1e3, raw_bw, sync_bw, r["raw"] / r["sync"]])
     rep.notes.append("median of alternating runs; bus bandwidth = size/time x 2(N-1)/N (nccl-tests convention).")
+    if world == 1:
+        rep.notes.append("one process (NCCL takes one GPU per rank and this machine has one): an all-reduce over one "
+                         "rank moves no bytes, so the times are the call's fixed cost and the bandwidth columns are "
+                         "size / that cost, not a link figure.")
     if backend == "gloo":
         rep.notes.append("link: loopback between processes on one machine; MACHINE-NOTES measured ~1.16 GB/s "
                          "algorithm bandwidth for 100 MB on this kind of machine.")
