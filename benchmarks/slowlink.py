@@ -32,9 +32,9 @@ ADDR = ("10.233.77.1", "10.233.77.2")  # inside this suite's own namespaces only
 STRATEGIES = {
     "sync": [],
     "compressed int8": ["--strategy", "compressed", "--strategy.codec", "int8"],
-    "compressed powersgd": ["--strategy", "compressed", "--strategy.codec", "powersgd", "--strategy.rank", "4"],
+    "compressed powersgd": ["--strategy", "compressed", "--strategy.codec", "powersgd"],  # AdamW: rank 8
     "local_sgd period 8": ["--strategy", "local_sgd", "--strategy.period", "8"],
-    "diloco period 8": ["--strategy", "diloco", "--strategy.period", "8", "--strategy.outer_momentum", "0.5"],
+    "diloco period 8": ["--strategy", "diloco", "--strategy.period", "8"],
 }
 
 
