@@ -91,9 +91,10 @@ class CaptureRounds(DiLoCoStrategy):
 @pytest.mark.parametrize("warmup", [None, 0, 2], ids=["default-warmup", "no-warmup", "warmup-2"])
 def test_diloco_two_rank_outer_nesterov_step_by_hand(tmp_path, warmup):
     eta, mu, period, rounds = 0.5, 0.8, 3, 3
-    # the outer momentum of the t-th outer step: mu * min(1, t / W), W = ceil(400 / period) by default
+    # the outer momentum of the t-th outer step: mu * min(1, t / W), W = ceil(400 / period) by default,
+    # never below min(mu, 0.5): with W = 2 the steps use 0.5, 0.8, 0.8; by default 0.5 throughout
     w = math.ceil(400 / period) if warmup is None else warmup
-    mu_at = [mu if w == 0 else mu * min(1.0, t / w) for t in range(1, rounds + 1)]
+    mu_at = [mu if w == 0 else max(min(mu, 0.5), mu * min(1.0, t / w)) for t in range(1, rounds + 1)]
     theta0 = torch.cat([p.detach().reshape(-1) for p in model(momentum=0.9).parameters()])
     ranks = fit(model(momentum=0.9), DigitsData(batch_size=16),
                 strategy=CaptureRounds(period=period, outer_lr=eta, outer_momentum=mu, outer_momentum_warmup=warmup),

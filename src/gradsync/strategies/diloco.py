@@ -47,6 +47,10 @@ from gradsync.strategies.periodic import PeriodicAveragingStrategy
 OFFLOAD_BYTES = 1 << 30
 #: Inner steps the default outer-momentum warm-up spans: ceil(this / period) outer steps.
 MOMENTUM_WARMUP_INNER_STEPS = 400
+#: The warm-up's floor: the outer momentum never starts below this (or below ``outer_momentum``,
+#: if that is lower). A ramp from 0 left AdamW runs of a few dozen outer steps without the momentum
+#: that makes DiLoCo fast (chargpt, 20 outer steps: 2.18 val_loss vs 2.16 at a constant 0.5).
+MOMENTUM_WARMUP_START = 0.5
 
 
 class DiLoCoStrategy(PeriodicAveragingStrategy):
@@ -80,8 +84,8 @@ class DiLoCoStrategy(PeriodicAveragingStrategy):
                 ``outer_momentum`` 0 is plain local SGD; lower it if the loss jumps after rounds.
             outer_momentum: Nesterov momentum of the outer SGD, in [0, 1) (paper: 0.9).
             outer_momentum_warmup: outer steps over which the momentum ramps up linearly,
-                ``outer_momentum * min(1, t / W)`` at a fragment's t-th outer step; 0 uses the full
-                momentum from the first. Default: ceil(400 / period), so the paper's H = 500 runs
+                ``max(min(outer_momentum, 0.5), outer_momentum * min(1, t / W))`` at a fragment's
+                t-th outer step; 0 uses the full momentum from the first. Default: ceil(400 / period), so the paper's H = 500 runs
                 start at full momentum and short periods do not overshoot.
             fragments: split the parameters into this many fragments, strided over the layers, each
                 synced once per period at its own offset (Streaming DiLoCo); must divide ``period``.
@@ -142,7 +146,7 @@ class DiLoCoStrategy(PeriodicAveragingStrategy):
             w = -(-MOMENTUM_WARMUP_INNER_STEPS // self.period)
         if w == 0:
             return self.outer_momentum
-        return self.outer_momentum * min(1.0, t / w)
+        return max(min(self.outer_momentum, MOMENTUM_WARMUP_START), self.outer_momentum * min(1.0, t / w))
 
     def _begin_local_phase(self) -> None:
         if self.global_params is None:
