@@ -57,7 +57,7 @@ POWERSGD_MIN_WARMUP = 2
 #: or AdamW, whose per-coordinate normalization divides what a rank-4 approximation drops by the
 #: small second moments of those coordinates. Chargpt (AdamW, 2 ranks, 80 / 160 steps): rank 4 ends
 #: 1.1% / 2.0% above sync's val_loss, rank 8 0.6% / 0.6%; on the 0.4M slow-link model 4.7% and 2.0%.
-POWERSGD_RANK, POWERSGD_ADAM_RANK = 4, 8
+POWERSGD_RANK, POWERSGD_ADAM_RANK = CODEC_OPTIONS["rank"][0], 8
 
 
 class CompressedStrategy(GradsyncStrategy):
