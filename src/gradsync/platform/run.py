@@ -401,7 +401,7 @@ def build_summary(spec: RunSpec, trainer: L.Trainer, model: Any, data: Any, cloc
         "comm": comm,
         "wall_seconds": round(wall_seconds, 3),
         "train_seconds": round(train_seconds, 3),
-        "samples_per_second": round(sps, 2) if sps else None,
+        "samples_per_second": sps if sps else None,  # rounded once, by RunTelemetry
         "comm_time_share": round(share, 4) if share is not None else None,
         "median_step_seconds": clock.median_step_seconds,
         "steady_samples_per_second": (round(global_batch / clock.median_step_seconds, 2)

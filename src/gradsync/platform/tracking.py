@@ -388,7 +388,9 @@ class RunTelemetry(Callback):
         return self.samples_offset + self.samples_now
 
     def samples_per_second(self) -> Optional[float]:
-        return self.samples / self.train_seconds if self.train_seconds > 0 else None
+        """Samples per training second, rounded once here to 2 decimals: the progress line, the
+        summary and the loggers all show this one value (a figure rounded twice can differ by 1)."""
+        return round(self.samples / self.train_seconds, 2) if self.train_seconds > 0 else None
 
     def comm_share(self, trainer: Any) -> Optional[float]:
         ledger = _ledger(trainer)
