@@ -44,16 +44,22 @@ class DumpRankState(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.batches_run += 1
+        ledger = getattr(trainer.strategy, "ledger", None)
+        self.last_step_ledger = ledger.summary() if ledger is not None else None
 
     def on_train_end(self, trainer, pl_module) -> None:
         strategy = trainer.strategy
+        # the algorithm state first: reading it waits for anything in flight, which the ledger then counts
+        algorithm = strategy.algorithm_state_dict() if hasattr(strategy, "algorithm_state_dict") else None
         state = {
             "params": {k: v.detach().clone() for k, v in pl_module.state_dict().items()},
             "global_step": trainer.global_step,
             "start_step": self.start_step,
             "batches_run": self.batches_run,
             "ledger": strategy.ledger.summary() if hasattr(strategy, "ledger") else None,
-            "algorithm": strategy.algorithm_state_dict() if hasattr(strategy, "algorithm_state_dict") else None,
+            # as the last training step left it: before the end-of-fit rounds of local SGD / DiLoCo
+            "last_step_ledger": getattr(self, "last_step_ledger", None),
+            "algorithm": algorithm,
             "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
             "skipped": list(getattr(strategy, "skipped_steps", [])),
         }

@@ -60,6 +60,13 @@ class Trace(DiLoCoStrategy):
         return {**super().algorithm_state_dict(), "trace": getattr(self, "trace", [])}
 
 
+def rounds_of(trace: list) -> list:
+    """The trace up to the fit's final rounds (which run first thing in on_train_end, before the
+    trace is read)."""
+    end = next((i for i, e in enumerate(trace) if e[0] == "issue" and e[3] == "final"), len(trace))
+    return trace[:end]
+
+
 class FinalParams(Callback):
     """Every rank's parameters when fit has ended (after the strategy's final rounds)."""
 
@@ -84,8 +91,9 @@ def test_identity_codec_and_one_fragment_are_plain_diloco(tmp_path):
 
 
 def test_two_rank_streaming_fragments_with_delay_and_blend_by_hand(tmp_path):
-    """period 4, two fragments, sync_delay 1, alpha 0.5: every outer step written out by hand."""
-    eta, mu, alpha, period, steps = 0.5, 0.8, 0.5, 4, 7
+    """period 4, two fragments, sync_delay 1, alpha 0.25: every outer step written out by hand (an alpha
+    other than 0.5, so that a blend the wrong way round, 0.75 local, cannot pass)."""
+    eta, mu, alpha, period, steps = 0.5, 0.8, 0.25, 4, 7
     start = model()
     theta, m = flat(start.parameters()), torch.zeros(sum(p.numel() for p in start.parameters()))
     frag = masks(start)
@@ -94,9 +102,9 @@ def test_two_rank_streaming_fragments_with_delay_and_blend_by_hand(tmp_path):
                                fragment_alpha=alpha, outer_momentum_warmup=0),  # (warm-up: test_local_sgd)
                 devices=2, max_steps=steps, out=tmp_path,
                 callbacks=(FinalParams(tmp_path),))
-    traces = [r["algorithm"]["trace"] for r in ranks]
+    traces = [rounds_of(r["algorithm"]["trace"]) for r in ranks]
     # the schedule: fragment 1 at offset period/2 (steps 2, 6), fragment 0 at offset 0 (step 4);
-    # each lands one inner step later (the trace is read at the end of training, before the final rounds)
+    # each lands one inner step later
     events = [(e[0], e[1], e[2]) for e in traces[0] if e[0] != "after"]
     assert events == [("issue", 1, 2), ("land", 1, 3), ("issue", 0, 4), ("land", 0, 5), ("issue", 1, 6),
                       ("land", 1, 7)]
@@ -147,16 +155,20 @@ def test_streaming_schedule_and_bytes_per_round_with_int8(tmp_path):
     fragment_numel = [sizes["conv1"], sizes["conv2"], sizes["head"]]  # three layers, one each
     trace = ranks[0]["algorithm"]["trace"]
     issues = [(e[1], e[2]) for e in trace if e[0] == "issue"]
-    # fragment k at steps with s % 6 == 2k, each landing one step later (the trace and the ledger are
-    # read at the end of training: fragment 0, issued at 12, is still in flight)
-    assert issues == [(1, 2), (2, 4), (0, 6), (1, 8), (2, 10), (0, 12)]
-    # a round's bytes: the ledger at the next issue minus at its own (it has landed by then; the last
-    # one, still in flight at the end of training, may not have issued its second hop yet)
-    wire = [e[5] for e in trace if e[0] == "issue"]
+    # fragment k at steps with s % 6 == 2k, each landing one step later; fragment 0, issued at 12, is
+    # still in flight when training ends: the end of fit lands it, then syncs fragments 1 and 2 once more
+    assert issues == [(1, 2), (2, 4), (0, 6), (1, 8), (2, 10), (0, 12), (1, 12), (2, 12)]
+    assert [e[3] for e in trace if e[0] == "issue"] == ["round"] * 6 + ["final"] * 2
+    # a round's bytes: the ledger at the next issue minus at its own (it has landed by then), and the
+    # last one's: the ledger when training has ended minus at its issue
+    wire = [e[5] for e in trace if e[0] == "issue"] + [ranks[0]["ledger"]["wire_bytes"]]
+    issues = issues + [None]
     for (k, _), before, after in zip(issues, wire, wire[1:]):
         assert after - before == int8_round_bytes(fragment_numel[k]), f"bytes of fragment {k}'s round"
+    assert ranks[0]["ledger"]["collectives"] == 2 * 8  # two hops a round, nothing else
     assert ranks[0]["ledger"]["peak_sync_bytes"] == max(int8_round_bytes(n) for n in fragment_numel)
     sync_bytes = steps * 4 * sum(fragment_numel)  # fp32 all-reduce on 2 ranks: 4 bytes per entry per step
+    assert ranks[0]["ledger"]["logical_bytes"] == sync_bytes
     assert ranks[0]["ledger"]["compression_ratio"] == pytest.approx(sync_bytes / ranks[0]["ledger"]["wire_bytes"])
     final = [torch.load(tmp_path / f"final{r}.pt") for r in (0, 1)]
     assert torch.equal(final[0], final[1])  # fit ends with the flight landed and a round of the others
@@ -165,10 +177,11 @@ def test_streaming_schedule_and_bytes_per_round_with_int8(tmp_path):
 
 
 def synthetic_diloco(tmp_path: Path, name: str, steps: int, **options) -> dict:
+    """Rank 0's ledger after the last training step (before the end of fit syncs what ranks disagree on)."""
     L.seed_everything(0, verbose=False)
     net = SyntheticModel(num_params=40_000, num_layers=8, lr=0.05)
     return fit(net, SyntheticData(num_samples=2048, batch_size=16), strategy=DiLoCoStrategy(**options),
-               devices=2, max_steps=steps, out=tmp_path / name)[0]["ledger"]
+               devices=2, max_steps=steps, out=tmp_path / name)[0]["last_step_ledger"]
 
 
 @pytest.mark.parametrize("codec, anchor", [("int8", 400), ("int4", 800)])

@@ -79,3 +79,15 @@ def test_local_sgd_reshard_has_no_global_state():
         state = LocalSGDStrategy(period=4).reshard_algorithm_state([_part(1), _part(3), _part(5)], 3)
     assert set(state) == {"ledger", "num_steps", "local_params"}
     assert torch.equal(state["local_params"]["w"], torch.full((3,), 3.0))
+
+
+def test_outer_momentum_warmup_ramp():
+    # max(min(mu, 0.5), mu * min(1, t / W)): the floor 0.5 for the first two outer steps, then the ramp
+    s = DiLoCoStrategy(period=8, outer_momentum=0.9, outer_momentum_warmup=4)
+    assert [s.momentum_at(t) for t in range(1, 7)] == pytest.approx([0.5, 0.5, 0.675, 0.9, 0.9, 0.9], abs=1e-12)
+    # a momentum below the floor is used from the start; W = 0 is no warm-up
+    assert DiLoCoStrategy(outer_momentum=0.3, outer_momentum_warmup=4).momentum_at(1) == 0.3
+    assert DiLoCoStrategy(outer_momentum=0.9, outer_momentum_warmup=0).momentum_at(1) == 0.9
+    # the default spans ceil(400 / period) outer steps: period 100 reaches 0.9 at t = 4, period 8 at t = 50
+    assert DiLoCoStrategy(period=100).momentum_at(3) == pytest.approx(0.675)
+    assert DiLoCoStrategy(period=8).momentum_at(49) < 0.9 == DiLoCoStrategy(period=8).momentum_at(50)

@@ -22,6 +22,7 @@ Usage::
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -74,6 +75,26 @@ class LocalSGDStrategy(PeriodicAveragingStrategy):
         if self.sends_changes and self.last_common is None:
             layout = self._layout()
             self.last_common = layout.values(list(range(len(layout.params))))
+            if self.steps.local_steps > 0 and self._distributed():
+                # Resumed mid-run from a checkpoint with no common point (written with the identity
+                # codec): the ranks' parameters differ, and any point they share serves the rule
+                # last - mean(last - x_r) = mean(x_r). Their mean is one fp32 all-reduce away.
+                self._share_common_point()
+
+    @torch.no_grad()
+    def _share_common_point(self) -> None:
+        assert self.last_common is not None
+        flat = torch.cat([t.reshape(-1).to(torch.float32) for t in self.last_common])
+        self.ledger.all_reduce(flat, group=self.comm_group, scope=self.round_scope(), sync=("common", 0, 0))
+        flat.div_(self.world_size)
+        pos = 0
+        for i, t in enumerate(self.last_common):
+            self.last_common[i] = flat[pos:pos + t.numel()].view_as(t).to(t.dtype)
+            pos += t.numel()
+        if self.global_rank == 0:
+            warnings.warn(f"local_sgd: the checkpoint holds no last common point (it was written with codec identity); "
+                          f"codec {self.codec} measures each rank's change from the ranks' mean parameters instead",
+                          stacklevel=2)
 
     def _payload(self, indices: list[int], values: list[torch.Tensor]) -> list[torch.Tensor]:
         if not self.sends_changes:

@@ -45,6 +45,7 @@ from typing import Any, Callable, Literal, Optional
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
 
 from gradsync.comm import CODEC_OPTIONS, LOSSY, build_reducer, check_codec_options
 from gradsync.comm.ddp import AllReduceState, allreduce_hook, local_hook
@@ -256,6 +257,7 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
         self._reducer_cache: Optional[Reducer] = None
         self._restored_reducer_state: Optional[dict] = None
         self._local_phase_started = False
+        self._finished = False  # the final round of this fit has run
         self._flight: Optional[_Flight] = None
         self._anchor: Optional[list[torch.Tensor]] = None  # overlap: this rank's point when it sent
         self._agreed: set[int] = set()  # fragments identical on every rank right now
@@ -300,8 +302,17 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
                                              logical=False)
         return self.steps, local_or_warmup_hook
 
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        # Lightning calls every callback's on_train_end (ModelCheckpoint's last save, a user's export
+        # hook), then the module's, and only then the strategy's: the final round must come first,
+        # or they all see ranks that still disagree.
+        if not any(isinstance(c, _FinalRound) and c.strategy is self for c in trainer.callbacks):
+            trainer.callbacks.insert(0, _FinalRound(self))
+
     def on_train_start(self) -> None:
         super().on_train_start()
+        self._finished = False
         if len(self.optimizers) != 1:
             raise GradsyncError(
                 f"{self.strategy_name} counts optimizer steps of one optimizer; this module configures "
@@ -329,7 +340,7 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
         return None, 1  # a local step: the gradient is this rank's own
 
     def on_train_end(self) -> None:
-        self.finish()
+        self.finish()  # already done by _FinalRound, before any callback's on_train_end
         super().on_train_end()
 
     def teardown(self) -> None:
@@ -373,7 +384,7 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
     def reducer(self) -> Reducer:
         """The reducer of rounds (built on gradsync's own group at first use)."""
         if self._reducer_cache is None:
-            options = {k: getattr(self, k) for k in CODEC_OPTIONS}
+            options = {k: getattr(self, k, default) for k, (default, _) in CODEC_OPTIONS.items()}
             self._reducer_cache = build_reducer(self.codec, ledger=self.ledger, group=self.round_group(),
                                                 scope=self.round_scope(), error_feedback=self.error_feedback,
                                                 **options)
@@ -485,8 +496,9 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
 
     def finish(self) -> None:
         """End of fit: apply anything in flight, then sync every fragment ranks disagree on, once."""
-        if not self._local_phase_started:
+        if not self._local_phase_started or self._finished:
             return
+        self._finished = True
         s = self.steps.local_steps
         layout = self._layout()
         if self.overlap:
@@ -521,8 +533,14 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
                                                  "means": flight.means},
             agreed=sorted(self._agreed),
             reducer=self.reducer.state_dict() if self._reducer_cache is not None else self._restored_reducer_state,
+            codec=self.codec_signature(),
         )
         return state
+
+    def codec_signature(self) -> dict:
+        """What the codec state in a checkpoint belongs to: the codec, its options, error feedback."""
+        options = {k: getattr(self, k, default) for k, (default, users) in CODEC_OPTIONS.items() if self.codec in users}
+        return {"name": self.codec, "error_feedback": self.error_feedback, **options}
 
     def load_algorithm_state_dict(self, state: dict) -> None:
         super().load_algorithm_state_dict(state)
@@ -544,6 +562,18 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
         self._restored_optimizer_states = state.get("local_optimizer_states")
         self._reducer_cache = None
         self._restored_reducer_state = state.get("reducer") or None
+        saved_codec = state.get("codec")
+        if self._restored_reducer_state is not None and saved_codec is not None and saved_codec != self.codec_signature():
+            # Residuals of one codec are not those of another (int8's are rounding errors, sign's are
+            # most of the signal): never load them into another codec.
+            self._restored_reducer_state = None
+            if self.global_rank == 0:
+                def spell(sig: dict) -> str:
+                    return f"{sig.get('name')} ({', '.join(f'{k} {v}' for k, v in sig.items() if k != 'name')})"
+                warnings.warn(f"{self.strategy_name}: checkpoint was written with codec {spell(saved_codec)}, this "
+                              f"run uses {spell(self.codec_signature())}; reset the codec state "
+                              f"({', '.join(state['reducer']) or 'empty'}): the {self.codec} codec starts from scratch",
+                              stacklevel=2)
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         super().load_optimizer_state_dict(checkpoint)
@@ -594,7 +624,7 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
         return state
 
     def _describe_reducer_state(self) -> list[str]:
-        options = {k: getattr(self, k) for k in CODEC_OPTIONS}
+        options = {k: getattr(self, k, default) for k, (default, _) in CODEC_OPTIONS.items()}
         return build_reducer(self.codec, error_feedback=self.error_feedback, **options).runtime_state_names()
 
     def run_stats(self) -> dict:
@@ -606,6 +636,16 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
             stats["fragments"] = [{"parameters": len(f), "numel": layout.fragment_numel(k)}
                                   for k, f in enumerate(layout.fragments)]
         return stats
+
+
+class _FinalRound(Callback):
+    """Runs the strategy's final round at the start of on_train_end, before every other callback."""
+
+    def __init__(self, strategy: PeriodicAveragingStrategy) -> None:
+        self.strategy = strategy
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self.strategy.finish()
 
 
 def _to(tensors: Optional[list], device: torch.device) -> Optional[list]:
