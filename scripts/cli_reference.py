@@ -40,7 +40,7 @@ def _cell(text: Any) -> str:
     """One markdown table cell: one line, ``rst`` literals as markdown code, pipes escaped."""
     text = " ".join(str(text).split())
     text = re.sub(r"``([^`]+)``", r"`\1`", text)
-    text = re.sub(r":(?:class|func|meth|attr|mod):`~?([^`]+)`", r"`\1`", text)
+    text = re.sub(r":(?:class|func|meth|attr|mod|paramref):`~?([^`]+)`", r"`\1`", text)
     return text.replace("|", "\\|")
 
 
@@ -137,8 +137,13 @@ def render(docs_dir: Optional[Path] = None) -> str:
     docs_dir = Path(docs_dir) if docs_dir is not None else DOCS_DIR
     selectors = _selector_flags()
     base = _parser("fit", DEFAULT_RECIPE, DEFAULT_STRATEGY)
-    run_actions = [a for a in _actions(base) if not a.dest.startswith(("model.", "data.", "strategy."))
-                   or a.dest == "strategy.name"]
+    from gradsync.platform.trainer_args import OWNED, trainer_parameter_names
+
+    trainer_names = set(trainer_parameter_names()) - set(OWNED)
+    trainer_actions = [a for a in _actions(base) if a.dest in trainer_names]
+    run_actions = [a for a in _actions(base) if (not a.dest.startswith(("model.", "data.", "strategy."))
+                   or a.dest == "strategy.name") and a.dest not in trainer_names
+                   and a.dest.split(".")[0] not in trainer_names]
     base_options = set(_option_names(GradsyncStrategy))
 
     out = [
@@ -164,6 +169,17 @@ def render(docs_dir: Optional[Path] = None) -> str:
         "### Run flags",
         "",
         *_rows(run_actions, selectors),
+        "",
+        "### Trainer flags",
+        "",
+        "Every other argument of `lightning.pytorch.Trainer`, read from its signature (a Lightning release",
+        "that adds an argument adds a flag), with Lightning's meaning and type. The arguments",
+        f"{', '.join(f'`{n}`' for n in OWNED)} are set by the run flags above",
+        f"({', '.join(f'`{flag}`' for flag in dict.fromkeys(OWNED.values()))}). A `bool` flag given alone",
+        "means `true` (`--sync-batchnorm`); `--callbacks+ module.Class` adds a callback and",
+        "`--profiler`, `--plugins` take a name or a class path, as in LightningCLI.",
+        "",
+        *_rows(trainer_actions, selectors),
         "",
         "### Shorthands",
         "",

@@ -186,8 +186,12 @@ def _selectors(argv: Sequence[str]) -> dict[str, Any]:
 
 
 def _known_flag(key: str) -> bool:
+    from gradsync.platform.trainer_args import flag_names
+
+    trainer = flag_names()
     return (key in _KNOWN_FLAGS or key in ALIASES or key.startswith(_OPTION_PREFIXES)
-            or key.startswith("--print_config"))
+            or key.startswith("--print_config") or key in trainer
+            or key.rstrip("+") in trainer or key.split(".", 1)[0] in trainer)  # --callbacks+, --profiler.help
 
 
 _KNOWN_FLAGS = {name for spellings, _ in RUN_FLAGS for name in spellings} | {
@@ -204,7 +208,9 @@ def precheck(command: str, argv: Sequence[str]) -> None:
     for arg in argv:
         key = _split_flag(arg)[0]
         if key.startswith("--") and not _known_flag(key):
-            close = difflib.get_close_matches(key, sorted(_KNOWN_FLAGS | set(ALIASES)), n=1)
+            from gradsync.platform.trainer_args import flag_names
+
+            close = difflib.get_close_matches(key, sorted(_KNOWN_FLAGS | set(ALIASES) | set(flag_names())), n=1)
             hint = f"did you mean {close[0]}? " if close else ""
             raise UsageError(f"unknown flag {key}; {hint}`gradsync {command} --help` lists the flags")
     _selectors(argv)
@@ -252,6 +258,9 @@ def build_parser(command: str, sel: dict[str, Any]):
     from gradsync.platform.tracking import add_tracking_arguments
 
     add_tracking_arguments(p)  # --logger, --wandb.*
+    from gradsync.platform.trainer_args import add_trainer_arguments
+
+    add_trainer_arguments(p)  # --precision, --gradient-clip-val, ...: every other L.Trainer argument
     p.add_class_arguments(model_cls, "model", fail_untyped=False)
     p.add_class_arguments(data_cls, "data", fail_untyped=False)
     strat_cls = strategy_class(sel["strategy"])
@@ -272,8 +281,9 @@ def _config_text(path: str) -> str:
     return path
 
 
-def _rewrite(argv: Sequence[str]) -> list[str]:
-    """Map the short selector flags onto parser keys; aliases go last so they override --config."""
+def _rewrite(argv: Sequence[str], bools: Sequence[str] = ()) -> list[str]:
+    """Map the short selector flags onto parser keys; aliases go last so they override --config.
+    A flag of a ``bool`` Trainer argument in ``bools`` given alone (``--sync-batchnorm``) means ``true``."""
     out: list[str] = []
     tail: list[str] = []
     renames = {"--strategy": "--strategy.name", "--model": "--model_class", "--data": "--data_class"}
@@ -297,6 +307,9 @@ def _rewrite(argv: Sequence[str]) -> list[str]:
                 tail += [f"--{comp}.{opt}", val]
         else:
             out.append(argv[i])
+            if val is None and key.lstrip("-").replace("-", "_") in bools and (
+                    i + 1 >= len(argv) or argv[i + 1].startswith("--")):
+                out.append("true")
         i += 1
     return out + tail
 
@@ -314,8 +327,10 @@ def parse_run(command: str, argv: Sequence[str]):
         if sel["strategy"] not in StrategyRegistry:
             raise UsageError(unknown_strategy_message(sel["strategy"]))
     parser, model_cls, data_cls = build_parser(command, sel)
+    from gradsync.platform.trainer_args import OWNED, bool_flags, trainer_parameter_names
+
     try:
-        cfg = parser.parse_args(_rewrite(argv))
+        cfg = parser.parse_args(_rewrite(argv, bools=bool_flags()))
     except ArgumentError as exc:
         raise UsageError(_one_line(exc)) from None
     d = cfg.as_dict()
@@ -337,6 +352,7 @@ def parse_run(command: str, argv: Sequence[str]):
         max_steps=d["max_steps"], max_epochs=d["max_epochs"], seed=d["seed"],
         output_dir=Path(d["output_dir"]) if d["output_dir"] else None, resume=d["resume"],
         checkpoint_every=d["checkpoint_every"], global_batch_size=d["global_batch_size"], val_every=d["val_every"],
+        trainer_options={name: d[name] for name in trainer_parameter_names() if name in d and name not in OWNED},
     )
     from gradsync.platform.launch import LaunchConfig
 
@@ -382,6 +398,13 @@ def _check_run_flags(d: dict, argv: Sequence[str] = ()) -> None:
     for flag, value, ok, rule in rules:
         if not ok:
             raise UsageError(f"{flag} {value}: {rule}")
+    if d["val_every"] and d.get("val_check_interval") is not None:
+        raise UsageError(f"--val-every {d['val_every']} and --val-check-interval {d['val_check_interval']} both say "
+                         "when to validate; give one (--val-every counts optimizer steps, --val-check-interval "
+                         "batches as in Lightning)")
+    k = d.get("accumulate_grad_batches")
+    if k is not None and k < 1:
+        raise UsageError(f"--accumulate-grad-batches {k}: must be >= 1")
     if d["accelerator"] in ("gpu", "cuda"):
         import torch
 
@@ -421,8 +444,7 @@ def _check_strategy(strategy, world_size: int, num_nodes: int, accelerator: str 
 def validate_spec(spec) -> None:
     """Construct the parts once, cheaply, so bad values fail before any process is launched."""
     from gradsync.errors import OptionError
-    from gradsync.platform.run import (accumulation_steps, build_strategy, resolve_checkpoint_to_resume,
-                                       resolve_global_batch)
+    from gradsync.platform.run import build_strategy, resolve_accumulation, resolve_checkpoint_to_resume
 
     for component, build in (("model", lambda: spec.model_class(**spec.model_options)),
                              ("data", lambda: spec.data_class(**spec.data_options)),
@@ -443,7 +465,7 @@ def validate_spec(spec) -> None:
             raise UsageError(f"--output-dir {spec.output_dir}: cannot be created ({exc.strerror or exc}); "
                              "choose a writable directory") from None
     ckpt = resolve_checkpoint_to_resume(spec)
-    accumulation_steps(resolve_global_batch(spec, ckpt), spec.micro_batch_size, spec.world_size)
+    resolve_accumulation(spec, ckpt, spec.micro_batch_size)
 
 
 # ---- commands -------------------------------------------------------------------------------

@@ -48,7 +48,8 @@ def config_fingerprint(spec: Any) -> dict[str, str]:
         "gradsync_version": gradsync.__version__,
     }
     for prefix, options in (("model", spec.model_options), ("data", spec.data_options),
-                            ("strategy", spec.strategy_options)):
+                            ("strategy", spec.strategy_options),
+                            ("trainer", getattr(spec, "trainer_options", None))):
         for k, v in (options or {}).items():
             fields[f"{prefix}.{k}"] = v
     return {k: _digest(v) for k, v in fields.items()}

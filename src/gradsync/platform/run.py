@@ -58,6 +58,9 @@ class RunSpec:
     launch: Any = None  # gradsync.platform.launch.LaunchConfig, when started from the CLI
     print_launch: bool = False
     tracking: Any = None  # gradsync.platform.tracking.TrackingConfig (--logger, --wandb.*); None: CSV only
+    #: Any other ``L.Trainer`` argument (``precision``, ``gradient_clip_val``, ``sync_batchnorm`` ...), as
+    #: ``L.Trainer`` takes it; None for an argument gradsync derives (platform/trainer_args.py DERIVED).
+    trainer_options: dict = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
@@ -220,22 +223,42 @@ class CommMetrics(Callback):
 def build_trainer(spec: RunSpec, strategy: Union[Strategy, str], clock: _RunClock, *,
                   accumulation: int = 1, global_batch: Optional[int] = None, shards_itself: bool = True) -> L.Trainer:
     from gradsync.platform.consistency import ConfigConsistency, config_fingerprint
+    from gradsync.platform.trainer_args import GRADSYNC_DEFAULTS, instantiate
 
+    given = {k: v for k, v in instantiate(spec.trainer_options).items() if v is not None}
+    given.pop("accumulate_grad_batches", None)  # resolved into `accumulation` (resolve_accumulation)
+    user_callbacks = given.pop("callbacks", None) or []
+    user_callbacks = list(user_callbacks) if isinstance(user_callbacks, (list, tuple)) else [user_callbacks]
+    user_plugins = given.pop("plugins", None) or []
+    user_plugins = list(user_plugins) if isinstance(user_plugins, (list, tuple)) else [user_plugins]
     callbacks: list[Callback] = [clock, CommMetrics(), RunInfo({"global_batch_size": global_batch}),
-                                 ConfigConsistency(config_fingerprint(spec))]
+                                 ConfigConsistency(config_fingerprint(spec)), *user_callbacks]
     from gradsync.platform.progress import GradsyncProgressBar
     from gradsync.platform.tracking import RunTelemetry, build_loggers
 
-    callbacks += [RunTelemetry(spec), GradsyncProgressBar()]
+    callbacks.append(RunTelemetry(spec))
+    if given.get("enable_progress_bar", True):
+        callbacks.append(GradsyncProgressBar())
     logger: Any = build_loggers(spec) or False  # CSV in DIR/logs, plus W&B or TensorBoard (--logger)
-    if spec.output_dir is not None:
-        if spec.command == "fit":
-            callbacks.append(ModelCheckpoint(
-                dirpath=str(spec.output_dir / "checkpoints"), filename="last", save_top_k=1,
-                every_n_train_steps=spec.checkpoint_every or None, enable_version_counter=False))
+    wants_checkpoints = bool(given.pop("enable_checkpointing", True))
+    checkpointing = spec.command == "fit" and spec.output_dir is not None and wants_checkpoints
+    if checkpointing:
+        callbacks.append(ModelCheckpoint(
+            dirpath=str(spec.output_dir / "checkpoints"), filename="last", save_top_k=1,
+            every_n_train_steps=spec.checkpoint_every or None, enable_version_counter=False))
     plugins = [AtomicCheckpointIO()] if not isinstance(strategy, Strategy) else []
     if isinstance(strategy, Strategy):
         strategy.checkpoint_io = AtomicCheckpointIO()
+    plugins += user_plugins
+    options = {
+        **GRADSYNC_DEFAULTS,
+        **({"val_check_interval": spec.val_every * accumulation, "check_val_every_n_epoch": None}
+           if spec.val_every else {}),
+        # Recipes shard their own data (DESIGN.md "Data order"); any other DataModule gets Lightning's
+        # distributed sampler, as under a plain L.Trainer, unless it declares `shards_itself = True`.
+        "use_distributed_sampler": not shards_itself,
+        **given,  # every other L.Trainer argument given on the command line or in --config
+    }
     return L.Trainer(
         accelerator=spec.accelerator,
         devices=spec.devices,
@@ -243,19 +266,12 @@ def build_trainer(spec: RunSpec, strategy: Union[Strategy, str], clock: _RunCloc
         strategy=strategy,
         max_steps=spec.max_steps,
         max_epochs=spec.max_epochs,
-        accumulate_grad_batches=accumulation,
-        **({"val_check_interval": spec.val_every * accumulation, "check_val_every_n_epoch": None}
-           if spec.val_every else {}),
+        **options,
+        accumulate_grad_batches=accumulation,  # (--accumulate-grad-batches is resolved into it)
         logger=logger,
         callbacks=callbacks,
         plugins=plugins or None,
-        enable_checkpointing=spec.command == "fit" and spec.output_dir is not None,
-        # Recipes shard their own data (DESIGN.md "Data order"); any other DataModule gets Lightning's
-        # distributed sampler, as under a plain L.Trainer, unless it declares `shards_itself = True`.
-        use_distributed_sampler=not shards_itself,
-        num_sanity_val_steps=0,
-        log_every_n_steps=1,
-        enable_model_summary=False,
+        enable_checkpointing=checkpointing,
         default_root_dir=str(spec.output_dir) if spec.output_dir else None,
     )
 
@@ -277,8 +293,7 @@ def execute(spec: RunSpec) -> dict:
     data = spec.data_class(**spec.data_options)
     strategy = build_strategy(spec.strategy, spec.strategy_options)
     micro = int(getattr(data, "batch_size", 0) or 0)
-    global_batch = resolve_global_batch(spec, ckpt)
-    k = accumulation_steps(global_batch, micro, spec.world_size)
+    global_batch, k = resolve_accumulation(spec, ckpt, micro)
     clock = _RunClock()
     trainer = build_trainer(spec, strategy, clock, accumulation=k, global_batch=global_batch,
                             shards_itself=bool(getattr(data, "shards_itself", False)))
@@ -314,6 +329,21 @@ def execute(spec: RunSpec) -> dict:
         print_summary(summary)
     _teardown()
     return summary
+
+
+def resolve_accumulation(spec: RunSpec, ckpt: Optional[Path], micro: int) -> tuple[Optional[int], int]:
+    """(global batch, micro-batches per optimizer step K): from --accumulate-grad-batches K, or derived
+    from the global batch (--global-batch-size, else the resumed checkpoint's); both given must agree."""
+    given = spec.trainer_options.get("accumulate_grad_batches")
+    if given is not None and spec.global_batch_size is None:
+        return (micro * int(given) * spec.world_size if micro else None), int(given)
+    global_batch = resolve_global_batch(spec, ckpt)
+    k = accumulation_steps(global_batch, micro, spec.world_size)
+    if given is not None and int(given) != k:
+        raise GradsyncError(
+            f"--accumulate-grad-batches {given} disagrees with --global-batch-size {global_batch}, which gives "
+            f"{global_batch} / ({micro} batch size x {spec.world_size} processes) = {k}; give one of the two")
+    return global_batch, k
 
 
 def resolve_global_batch(spec: RunSpec, ckpt: Optional[Path]) -> Optional[int]:
