@@ -8,7 +8,7 @@ from torch.utils.data import DataLoader
 
 from gradsync.recipes import DigitsClassifier, DigitsData, Recipe
 from gradsync.strategies import AccumulateStrategy, LocalSGDStrategy, SyncStrategy
-from harness import fit, max_abs_diff
+from harness import assert_resumed_at, fit, max_abs_diff
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -57,7 +57,8 @@ def test_resume_on_another_world_size_keeps_global_batch(tmp_path):
         callbacks=(ModelCheckpoint(dirpath=ckpt_dir, filename="last", every_n_train_steps=5),))
     resumed = fit(plain_sgd(), DigitsData(batch_size=b), strategy=SyncStrategy(), devices=3, max_steps=10,
                   accumulate_grad_batches=g // (3 * b), out=tmp_path / "second", ckpt_path=str(ckpt_dir / "last.ckpt"))
-    assert resumed[0]["global_step"] == 10
+    # started at the checkpoint's step 5 and ran the 5 steps after it, each of 2 micro-batches on 3 processes
+    assert_resumed_at(resumed, 5, 10, micro_batches_per_step=g // (3 * b))
     assert max_abs_diff(resumed[0]["params"], full["params"]) <= 1e-5
 
 

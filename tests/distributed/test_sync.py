@@ -5,7 +5,7 @@ import pytest
 
 from gradsync.recipes import DigitsClassifier, DigitsData
 from gradsync.strategies import SyncStrategy
-from harness import fit, max_abs_diff
+from harness import assert_resumed_at, fit, max_abs_diff
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -72,7 +72,7 @@ def test_mid_epoch_resume_equals_uninterrupted_run(tmp_path):
         out=tmp_path / "a", callbacks=(ModelCheckpoint(dirpath=ckpt_dir, filename="last", every_n_train_steps=7),))
     resumed = fit(plain_sgd(), DigitsData(batch_size=16), strategy=SyncStrategy(), devices=2, max_steps=14,
                   out=tmp_path / "b", ckpt_path=str(ckpt_dir / "last.ckpt"))
-    assert resumed[0]["global_step"] == 14
+    assert_resumed_at(resumed, 7, 14)  # started at the checkpoint's step and ran only the 7 steps after it
     assert max_abs_diff(resumed[0]["params"], full[0]["params"]) <= 1e-6
     # the ledger continues across the resume instead of restarting from zero
     assert resumed[0]["ledger"]["collectives"] == full[0]["ledger"]["collectives"] == 14
