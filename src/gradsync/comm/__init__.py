@@ -3,7 +3,7 @@
 * :mod:`~gradsync.comm.ledger` — what every collective costs on the wire, by scope and purpose;
 * :mod:`~gradsync.comm.reducer` and :mod:`~gradsync.comm.codecs` — the mean of a list of tensors
   across a process group, one reducer per codec (fp32, fp16, bf16, int8, int4, sign, top-k,
-  PowerSGD), each returning a Future and never blocking its caller;
+  PowerSGD, SparseLoCo's chunked 2-bit top-k), each returning a Future and never blocking its caller;
 * :mod:`~gradsync.comm.error_feedback` — error feedback as a wrapper around any lossy reducer;
 * :mod:`~gradsync.comm.ddp` — the DDP bucket adapter, the only code that knows ``GradBucket``;
 * :mod:`~gradsync.comm.topology` — the world, intra-node and inter-node process groups;
@@ -24,7 +24,8 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from gradsync.comm.codecs import (
-    Bf16Reducer, Fp16Reducer, Int4Reducer, Int8Reducer, PowerSGDReducer, SignReducer, TopKReducer,
+    Bf16Reducer, Fp16Reducer, Int4Reducer, Int8Reducer, PowerSGDReducer, SignReducer, SparseLoCoReducer,
+    TopKReducer,
 )
 from gradsync.comm.error_feedback import ErrorFeedback
 from gradsync.comm.ledger import CommLedger, fp32_allreduce_bytes, wire_bytes
@@ -41,6 +42,7 @@ REDUCERS: dict[str, type[Reducer]] = {
     "sign": SignReducer,
     "topk": TopKReducer,
     "powersgd": PowerSGDReducer,
+    "sparseloco": SparseLoCoReducer,
 }
 
 #: Codec options: name -> (default, the codecs that read it). Strategies take these as
@@ -51,7 +53,14 @@ CODEC_OPTIONS: dict[str, tuple[Any, tuple[str, ...]]] = {
     "rank": (4, ("powersgd",)),
     "warm_start": (True, ("powersgd",)),
     "seed": (0, ("int8", "int4", "powersgd")),
+    "sparse_chunk_size": (4096, ("sparseloco",)),
+    "sparse_k": (64, ("sparseloco",)),
+    "value_bits": (2, ("sparseloco",)),
+    "error_decay": (1.0, ("sparseloco",)),
 }
+
+#: Options read by the error-feedback wrapper, not by the codec's reducer.
+FEEDBACK_OPTIONS: tuple[str, ...] = ("error_decay",)
 
 LOSSY: tuple[str, ...] = tuple(name for name, cls in REDUCERS.items() if cls.lossy)
 
@@ -76,11 +85,18 @@ def build_reducer(codec: str, *, ledger: Optional[CommLedger] = None, group: Opt
     check(codec in REDUCERS, "codec", codec, f"must be one of {', '.join(REDUCERS)}", "e.g. --strategy.codec int8")
     cls = REDUCERS[codec]
     kwargs = {k: v for k, v in options.items() if k in CODEC_OPTIONS and codec in CODEC_OPTIONS[k][1]}
+    feedback = {k: kwargs.pop(k) for k in FEEDBACK_OPTIONS if k in kwargs}
     if codec == "sign":
         kwargs["reducer_feedback"] = bool(error_feedback)
     reducer = cls(ledger=ledger, group=group, scope=scope, **kwargs)
+    decay = feedback.get("error_decay", 1.0)
+    check(isinstance(decay, (int, float)) and not isinstance(decay, bool) and 0 < decay <= 1, "error_decay", decay,
+          "must be in (0, 1] (the residual is multiplied by it before each reduction)",
+          "e.g. --strategy.error_decay 1 keeps the whole residual")
+    check(decay == 1 or error_feedback, "error_decay", decay, "needs error feedback, which is off",
+          "drop --strategy.error_decay or set --strategy.error_feedback true")
     if error_feedback and cls.lossy:
-        return ErrorFeedback(reducer)
+        return ErrorFeedback(reducer, decay=decay)
     return reducer
 
 

@@ -6,9 +6,10 @@ keeps the new shortfall::
     m = x + e,    sent = C(m),    e <- m - sent
 
 so compression error is delayed, never lost (Seide et al. 2014, 1-bit SGD; Karimireddy et al.
-2019, EF-SGD). The residual ``e`` is kept per tensor name (a flat float32 piece each), so it
-follows a tensor across DDP bucket rebuilds, DiLoCo fragments and resumes; it is this rank's own
-state and is checkpointed with the rank.
+2019, EF-SGD). With a ``decay`` beta < 1 the residual fades, ``m = x + beta e``: SparseLoCo's
+accumulator (arXiv 2508.15706), which stands in for DiLoCo's outer momentum. The residual ``e``
+is kept per tensor name (a flat float32 piece each), so it follows a tensor across DDP bucket
+rebuilds, DiLoCo fragments and resumes; it is this rank's own state and is checkpointed with the rank.
 
 For ``sign`` the reducer also keeps a residual of its second hop (see
 :mod:`gradsync.comm.codecs.sign`); this wrapper keeps the first.
@@ -59,9 +60,11 @@ class ErrorFeedback(Reducer):
 
     lossy = True
 
-    def __init__(self, inner: Reducer) -> None:
+    def __init__(self, inner: Reducer, *, decay: float = 1.0) -> None:
         super().__init__(ledger=inner.ledger, group=inner.group, scope=inner.scope)
         self.inner = inner
+        #: Factor on the residual before it is added (1: plain error feedback).
+        self.decay = float(decay)
         inner.need_sent = True
         self.codec = inner.codec
         self.residuals = ParamStore()
@@ -70,12 +73,13 @@ class ErrorFeedback(Reducer):
         self.exempt: Container[str] = frozenset()
 
     def options(self) -> dict:
-        return {**self.inner.options(), "error_feedback": True}
+        extra = {} if self.decay == 1 else {"error_decay": self.decay}
+        return {**self.inner.options(), "error_feedback": True, **extra}
 
     def run(self, tensors: list[torch.Tensor], names: list[str], sync: Hashable) -> Reduction:
         exempt = {name for name in names if name in self.exempt}
         inputs = [t.to(torch.float32) if name in exempt else
-                  t.to(torch.float32) + self.residuals.get(name, t.numel(), t).view(t.shape)
+                  t.to(torch.float32) + self._residual(name, t).view(t.shape)
                   for t, name in zip(tensors, names)]
         means, sent = yield from self.inner.run(inputs, names, sync)
         for name, m, s in zip(names, inputs, sent):
@@ -86,6 +90,10 @@ class ErrorFeedback(Reducer):
         # ``sent`` is in the units of the input plus residual: where it is nonzero the codec sent
         # the whole entry (momentum factor masking reads that).
         return [mean.to(t.dtype) for mean, t in zip(means, tensors)], (sent if self.need_sent else None)
+
+    def _residual(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        e = self.residuals.get(name, t.numel(), t)
+        return e if self.decay == 1 else e.mul(self.decay)
 
     def state_dict(self) -> dict:
         return {"residuals": self.residuals.state_dict(), "inner": self.inner.state_dict()}
