@@ -11,11 +11,12 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from gradsync.recipes import DigitsClassifier, DigitsData
 from gradsync.recipes.synthetic import SyntheticData, SyntheticModel
-from gradsync.strategies import DiLoCoStrategy, SyncStrategy
+from gradsync.strategies import DiLoCoStrategy, LocalSGDStrategy, SyncStrategy
 from harness import fit, max_abs_diff
 
 pytestmark = pytest.mark.timeout(180)
@@ -77,17 +78,50 @@ class FinalParams(Callback):
         torch.save(flat(pl_module.parameters()), self.out / f"final{trainer.global_rank}.pt")
 
 
-def test_identity_codec_and_one_fragment_are_plain_diloco(tmp_path):
-    runs = {}
-    for name, options in [("plain", {}), ("identity", {"codec": "identity"}),
-                          ("one-fragment", {"fragments": 1, "sync_delay": 0})]:
-        runs[name] = fit(model(), DigitsData(batch_size=16), strategy=DiLoCoStrategy(period=3, **options),
-                         devices=2, max_steps=9, out=tmp_path / name)
-    for name in ("identity", "one-fragment"):
-        for a, b in zip(runs["plain"], runs[name]):
-            assert max_abs_diff(a["params"], b["params"]) <= 1e-6, name
-            assert a["ledger"]["wire_bytes"] == b["ledger"]["wire_bytes"]
-    assert max_abs_diff(runs["plain"][0]["params"], model().state_dict()) > 1e-3  # it trained
+class PlainAllReduce:
+    """No codec at all: every tensor all-reduced in fp32 by torch.distributed and divided by N."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+
+    def reduce(self, tensors, names=None, sync=None):
+        out = [t.detach().to(torch.float32).clone() for t in tensors]
+        for t in out:
+            dist.all_reduce(t)
+        future = torch.futures.Future()
+        future.set_result([t / self.world for t in out])
+        return future
+
+    def state_dict(self):
+        return {}
+
+
+def without_codec(cls):
+    """``cls`` with its rounds' reducer replaced by :class:`PlainAllReduce` (no gradsync reducer)."""
+    class WithoutCodec(cls):
+        @property
+        def reducer(self):
+            self._reducer_cache = self._reducer_cache or PlainAllReduce(self.world_size)
+            return self._reducer_cache
+
+    return WithoutCodec
+
+
+@pytest.mark.parametrize("cls, options", [
+    (DiLoCoStrategy, {"period": 3}),
+    (DiLoCoStrategy, {"period": 4, "fragments": 2, "sync_delay": 1}),
+    (LocalSGDStrategy, {"period": 3}),
+], ids=["diloco", "diloco-streaming", "local_sgd"])
+def test_identity_codec_equals_no_codec(tmp_path, cls, options):
+    """The identity codec (the default) against rounds whose mean is a plain torch.distributed all-reduce."""
+    codec = fit(model(), DigitsData(batch_size=16), strategy=cls(codec="identity", **options), devices=2,
+                max_steps=10, out=tmp_path / "identity")
+    plain = fit(model(), DigitsData(batch_size=16), strategy=without_codec(cls)(**options), devices=2,
+                max_steps=10, out=tmp_path / "plain")
+    for a, b in zip(codec, plain):
+        assert max_abs_diff(a["params"], b["params"]) <= 1e-6
+    assert max_abs_diff(codec[0]["params"], model().state_dict()) > 1e-3  # it trained
+    assert codec[0]["ledger"]["wire_bytes"] > 0 == plain[0]["ledger"]["wire_bytes"]  # the reference bypassed it
 
 
 def test_two_rank_streaming_fragments_with_delay_and_blend_by_hand(tmp_path):

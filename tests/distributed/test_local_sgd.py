@@ -119,6 +119,8 @@ class CaptureRounds(DiLoCoStrategy):
 
 @pytest.mark.parametrize("warmup", [None, 0, 2], ids=["default-warmup", "no-warmup", "warmup-2"])
 def test_diloco_two_rank_outer_nesterov_step_by_hand(tmp_path, warmup):
+    """DiLoCo written out in the test: the streaming implementation with one fragment and no delay
+    (set explicitly here) is the plain DiLoCo of the paper, outer step by outer step."""
     eta, mu, period, rounds = 0.5, 0.8, 3, 3
     # the outer momentum of the t-th outer step: mu * min(1, t / W), W = ceil(400 / period) by default,
     # never below min(mu, 0.5): with W = 2 the steps use 0.5, 0.8, 0.8; by default 0.5 throughout
@@ -126,7 +128,8 @@ def test_diloco_two_rank_outer_nesterov_step_by_hand(tmp_path, warmup):
     mu_at = [mu if w == 0 else max(min(mu, 0.5), mu * min(1.0, t / w)) for t in range(1, rounds + 1)]
     theta0 = torch.cat([p.detach().reshape(-1) for p in model(momentum=0.9).parameters()])
     ranks = fit(model(momentum=0.9), DigitsData(batch_size=16),
-                strategy=CaptureRounds(period=period, outer_lr=eta, outer_momentum=mu, outer_momentum_warmup=warmup),
+                strategy=CaptureRounds(period=period, outer_lr=eta, outer_momentum=mu, outer_momentum_warmup=warmup,
+                                       fragments=1, sync_delay=0),
                 devices=2, max_steps=rounds * period, out=tmp_path)
     theta, m = theta0.clone(), torch.zeros_like(theta0)
     for k in range(rounds):
