@@ -76,3 +76,17 @@ def test_periodic_strategies_run_rounds_through_it():
     for cls in (DiLoCoStrategy, LocalSGDStrategy):
         reducer = cls(codec="sparseloco", period=4).reducer
         assert reducer.codec == "sparseloco" and reducer.inner.options()["sparse_k"] == 64
+
+
+def test_compressed_takes_the_codec_and_its_options():
+    from gradsync.strategies.compressed import CompressedStrategy
+
+    s = CompressedStrategy(codec="sparseloco", sparse_chunk_size=1024, sparse_k=16, value_bits=4, error_decay=0.9)
+    reducer = s._new_reducer()
+    assert reducer.decay == 0.9  # error feedback, decayed
+    assert reducer.inner.options() == {"sparse_chunk_size": 1024, "sparse_k": 16, "value_bits": 4}
+    assert s.corrects_momentum
+    with pytest.raises(OptionError, match="--strategy.sparse_k"):
+        CompressedStrategy(codec="sparseloco", sparse_k=5000)
+    with pytest.raises(OptionError, match="sparse_k.*only by sparseloco"):
+        CompressedStrategy(codec="topk", sparse_k=16)

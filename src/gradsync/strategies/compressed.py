@@ -6,7 +6,7 @@ PowerSGD, the last three with error feedback. The codecs are DDP communication h
 compression overlaps with the rest of the backward pass (no hook waits for a hop), and they run on
 CPU/gloo as well as CUDA/NCCL. See docs/strategies/compressed.md for the math, the bytes and when to use which.
 
-``sign`` and ``topk`` compress each rank's SGD *velocity* instead of its gradient (momentum
+``sign``, ``topk`` and ``sparseloco`` compress each rank's SGD *velocity* instead of its gradient (momentum
 correction, :class:`~gradsync.comm.error_feedback.MomentumCorrection`): the strategy reads the
 momentum, dampening, nesterov and weight decay from the optimizer's parameter groups at every step,
 and sets that optimizer's momentum and weight decay to 0 for the duration of its step (restored
@@ -35,19 +35,19 @@ from gradsync.comm.reducer import IdentityReducer, Reducer
 from gradsync.errors import check
 from gradsync.strategies.base import GradsyncStrategy
 
-Codec = Literal["identity", "fp16", "bf16", "int8", "int4", "sign", "topk", "powersgd"]
+Codec = Literal["identity", "fp16", "bf16", "int8", "int4", "sign", "topk", "powersgd", "sparseloco"]
 
 #: Codecs whose error feedback is an option of ``compressed`` (on by default). The others send an
 #: unbiased or nearly exact mean every step and run without it.
-FEEDBACK_CODECS = ("sign", "topk", "powersgd")
+FEEDBACK_CODECS = ("sign", "topk", "powersgd", "sparseloco")
 
 #: Codecs that compress the SGD velocity rather than the gradient, unless ``momentum_correction``
 #: is off: their error feedback compounds with the optimizer's momentum otherwise (issue 17).
-MOMENTUM_CODECS = ("sign", "topk")
+MOMENTUM_CODECS = ("sign", "topk", "sparseloco")
 #: Optimizers whose step direction the codecs send under momentum correction, besides SGD.
 ADAM_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW)
 #: ... and those of them whose sparse messages mask the velocity where they sent (DGC).
-MASKING_CODECS = ("topk",)
+MASKING_CODECS = ("topk", "sparseloco")
 
 #: Warm-up steps when none are given: PowerSGD with error feedback or warm start follows torch's
 #: ``start_powerSGD_iter > 1`` rule; every other codec compresses from the first step.
@@ -77,6 +77,10 @@ class CompressedStrategy(GradsyncStrategy):
         momentum_correction: bool = True,
         warm_start: bool = True,
         seed: int = 0,
+        sparse_chunk_size: int = CODEC_OPTIONS["sparse_chunk_size"][0],
+        sparse_k: int = CODEC_OPTIONS["sparse_k"][0],
+        value_bits: int = CODEC_OPTIONS["value_bits"][0],
+        error_decay: float = CODEC_OPTIONS["error_decay"][0],
         scope: Literal["world", "node"] = "world",
         procs_per_node: Optional[int] = None,
         **kwargs: Any,
@@ -85,20 +89,25 @@ class CompressedStrategy(GradsyncStrategy):
         Args:
             codec: how gradients are encoded on the wire: ``identity`` (fp32, as ``sync``), ``fp16``,
                 ``bf16`` (2x fewer bytes), ``int8`` (~4x), ``int4`` (~8x, noisy), ``sign`` (1 bit + scale, ~30x), ``topk``
-                (1 / (N fraction)x) or ``powersgd`` (low rank; nm / (r(n+m))x per matrix).
+                (1 / (N fraction)x), ``powersgd`` (low rank; nm / (r(n+m))x per matrix) or ``sparseloco``
+                (the top 64 of every 4096 entries, 14 bits each: 282 / N x).
             warmup_steps: optimizer steps of plain fp32 all-reduce before compression starts.
                 Default: 2 for powersgd with error feedback or warm start (the minimum), else 0.
             chunk_size: int8, int4 and sign: entries that share one float32 scale (a multiple of 8 for sign).
             fraction: topk: share of entries sent per step, in (0, 1].
             rank: powersgd: rank of the approximation, >= 1. Default: 4, or 8 when the optimizer is
                 Adam or AdamW (their per-coordinate scaling amplifies what a low rank drops).
-            error_feedback: sign, topk, powersgd: carry what compression dropped into the next step.
-            momentum_correction: sign, topk: compress each rank's SGD velocity (Deep Gradient
+            error_feedback: sign, topk, powersgd, sparseloco: carry what compression dropped into the next step.
+            momentum_correction: sign, topk, sparseloco: compress each rank's SGD velocity (Deep Gradient
                 Compression's momentum correction) or, with Adam/AdamW, its Adam direction, not its
                 gradient: the optimizer's settings are read from it and applied before compression,
                 and its step applies the delivered mean. ``false``: compress the gradient (the plain variants).
             warm_start: powersgd: start each power iteration from the previous step's Q.
             seed: int8, int4: seed of the stochastic rounding (rank r uses seed + r); powersgd: of the initial Q.
+            sparse_chunk_size: sparseloco: entries per top-k chunk, a power of two (indices cost log2 of it).
+            sparse_k: sparseloco: entries sent per chunk.
+            value_bits: sparseloco: bits per sent value, 2, 4 or 8.
+            error_decay: sparseloco: factor on the error-feedback residual before it is added, in (0, 1].
             scope: ``world``: the codec between every rank; ``node``: the hierarchical all-reduce —
                 fp32 reduce-scatter inside the node, the codec across nodes on the shard, fp32
                 all-gather inside the node — so only the slow hop is compressed.
@@ -108,7 +117,8 @@ class CompressedStrategy(GradsyncStrategy):
         """
         check_codec_options(codec, {"chunk_size": chunk_size, "fraction": fraction,
                                     "rank": POWERSGD_RANK if rank is None else rank,
-                                    "warm_start": warm_start, "seed": seed})
+                                    "warm_start": warm_start, "seed": seed, "sparse_chunk_size": sparse_chunk_size,
+                                    "sparse_k": sparse_k, "value_bits": value_bits, "error_decay": error_decay})
         check(error_feedback or codec in FEEDBACK_CODECS, "error_feedback", error_feedback,
               f"is not used by codec {codec} (only by {', '.join(FEEDBACK_CODECS)})",
               f"drop --strategy.error_feedback or choose --strategy.codec {FEEDBACK_CODECS[0]}")
@@ -133,6 +143,8 @@ class CompressedStrategy(GradsyncStrategy):
         self.rank = POWERSGD_RANK if rank is None else rank
         self._rank_given = rank is not None
         self.error_feedback, self.warm_start, self.seed = error_feedback, warm_start, seed
+        self.sparse_chunk_size, self.sparse_k, self.value_bits, self.error_decay = (
+            sparse_chunk_size, sparse_k, value_bits, error_decay)
         self.momentum_correction = bool(momentum_correction)
         self._new_reducer()  # validates the codec's own options now, not at the first step
         self._hook_state: Optional[ReducerHookState] = None

@@ -192,8 +192,38 @@ class PowerSGDState(CodecState):
         return self._inner().qs
 
 
+@dataclass
+class SparseLoCoState(CodecState):
+    """State of :func:`sparseloco_hook`.
+
+    Args:
+        sparse_chunk_size: entries per chunk, a power of two; indices cost log2 of it in bits.
+        sparse_k: entries sent per chunk.
+        value_bits: bits per sent value: 2, 4 or 8.
+        error_feedback: keep what was not sent and add it next step (needed for convergence).
+        error_decay: factor on the residual before it is added, in (0, 1].
+    """
+
+    codec: ClassVar[str] = "sparseloco"
+    sparse_chunk_size: int = 4096
+    sparse_k: int = 64
+    value_bits: int = 2
+    error_feedback: bool = True
+    error_decay: float = 1.0
+
+    def codec_options(self) -> dict:
+        return {"sparse_chunk_size": self.sparse_chunk_size, "sparse_k": self.sparse_k,
+                "value_bits": self.value_bits, "error_feedback": self.error_feedback,
+                "error_decay": self.error_decay}
+
+    @property
+    def residuals(self) -> ParamStore:
+        return self._feedback()
+
+
 # One adapter serves every codec; the names say which state each is meant for.
 identity_hook = fp16_hook = bf16_hook = int8_hook = int4_hook = sign_hook = topk_hook = powersgd_hook = reducer_hook
+sparseloco_hook = reducer_hook
 
 #: Codec name -> (state class, hook). The ``compressed`` strategy's ``codec`` option chooses one.
 CODECS: dict[str, tuple[type[CodecState], Callable]] = {
@@ -205,12 +235,13 @@ CODECS: dict[str, tuple[type[CodecState], Callable]] = {
     "sign": (SignState, sign_hook),
     "topk": (TopKState, topk_hook),
     "powersgd": (PowerSGDState, powersgd_hook),
+    "sparseloco": (SparseLoCoState, sparseloco_hook),
 }
 
 __all__ = [
     "CODECS", "Bf16State", "CodecState", "Fp16State", "IdentityState", "Int4State", "Int8State", "PowerSGDState",
-    "SignState", "TopKState", "bf16_hook", "fp16_hook", "identity_hook", "int4_hook", "int8_hook", "powersgd_hook",
-    "sign_hook", "topk_hook",
+    "SignState", "SparseLoCoState", "TopKState", "bf16_hook", "fp16_hook", "identity_hook", "int4_hook", "int8_hook", "powersgd_hook",
+    "sign_hook", "sparseloco_hook", "topk_hook",
 ]
 
 
