@@ -129,3 +129,21 @@ def test_torchrun_output_holds_back_only_a_rendezvous_timeout_traceback():
         cut.feed(line)
     cut.close()
     assert sink.getvalue() == "".join(worker[:2]) and cut.rendezvous_timeout is None
+
+
+def test_torchrun_output_shows_a_worker_user_error_once_and_drops_torchruns_report():
+    import io
+
+    from gradsync.platform.launch import TorchrunOutput
+
+    report = ["E1205 08:51:52 api.py:1002] failed (exitcode: 2) local_rank: 0\n",
+              "Traceback (most recent call last):\n", '  File "run.py", line 9, in main\n',
+              "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n", "=====\n"]
+    sink = io.StringIO()
+    out = TorchrunOutput(sink)
+    for line in ["step 1\n", "gradsync: error: set --strategy.x true\n", "[rank1]:gradsync: error: set "
+                 "--strategy.x true\n", *report]:
+        out.feed(line)
+    out.close()
+    assert sink.getvalue() == "step 1\ngradsync: error: set --strategy.x true\n"
+    assert out.worker_error == "set --strategy.x true"

@@ -168,9 +168,14 @@ def test_compressed_node_scope_trains_with_ranks_agreeing(tmp_path):
     assert ledger["by_scope"]["inter_node"]["compression_ratio"] > 2 * 3.9  # half the model, int8, per process
 
 
-def test_one_node_is_refused_unless_the_layout_is_forced():
+def test_one_node_is_refused_unless_the_layout_is_forced(monkeypatch):
+    # the fix is spelled as the user sets it: the constructor argument in Python, the flag on the CLI
+    with pytest.raises(OptionError, match="use scope='world', or procs_per_node K"):
+        DiLoCoStrategy(scope="node").check_layout(4, 1)
+    monkeypatch.setenv("GRADSYNC_ENTRY", "cli")
     with pytest.raises(OptionError, match="--strategy.scope world, or --strategy.procs_per_node K"):
         DiLoCoStrategy(scope="node").check_layout(4, 1)
+    monkeypatch.delenv("GRADSYNC_ENTRY")
     DiLoCoStrategy(scope="node", procs_per_node=2).check_layout(4, 1)
     with pytest.raises(OptionError, match="must divide the number of processes"):
         CompressedStrategy(scope="node", procs_per_node=3).check_layout(4, 1)

@@ -521,6 +521,7 @@ def cmd_run(command: str, argv: list[str]) -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     os.environ.setdefault("WANDB_SILENT", "true")
+    os.environ["GRADSYNC_ENTRY"] = "cli"  # errors.ENTRY_ENV: messages name flags, not constructor arguments
     import time
 
     os.environ.setdefault("GRADSYNC_STARTED_AT", repr(time.time()))  # run.STARTED_AT_ENV: the command's wall time

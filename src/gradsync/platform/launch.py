@@ -194,6 +194,9 @@ _RENDEZVOUS_TIMEOUT = re.compile(r"(DistStoreError|RendezvousTimeoutError|Rendez
                                  r"(clients joined|[Tt]imed out|timeout)")
 
 
+_WORKER_ERROR = re.compile(r"^(?:\[rank\d+\]:)?gradsync: error: (.*)$")
+
+
 class TorchrunOutput:
     """Passes torchrun's stderr (its workers' included) through line by line, except the traceback
     of a rendezvous that timed out, which it keeps back: ``rendezvous_timeout`` is then its last
@@ -203,8 +206,19 @@ class TorchrunOutput:
         self.sink = sink if sink is not None else sys.stderr
         self.held: list[str] = []
         self.rendezvous_timeout: Optional[str] = None
+        self.worker_error: Optional[str] = None  # the first "gradsync: error: ..." line of a worker
 
     def feed(self, line: str) -> None:
+        # A worker's user error is already one line: show it once (every rank may print it) and drop
+        # what follows, torchrun's report of the failed worker and the other ranks' echoes of it.
+        if self.worker_error is not None:
+            return
+        found = _WORKER_ERROR.match(line)
+        if found and not self.held:
+            self.worker_error = found.group(1).strip()
+            self.sink.write(f"gradsync: error: {self.worker_error}\n")
+            self.sink.flush()
+            return
         if self.held or line.startswith("Traceback (most recent call last):"):
             self.held.append(line)
             if line[:1] not in (" ", "\t", "\n", "") and not line.startswith(("Traceback", "During handling",
@@ -244,6 +258,8 @@ def run_torchrun(cmd: list[str]) -> tuple[int, Optional[str]]:
         return 130, None
     finally:
         out.close()
+    if rc != 0 and out.worker_error is not None:
+        rc = 2  # a user error, printed in one line by the worker: the command's own exit status for one
     return rc, out.rendezvous_timeout
 
 

@@ -306,7 +306,13 @@ def execute(spec: RunSpec) -> dict:
     resumed_from = _checkpoint_step(ckpt) if ckpt else None
 
     if spec.command == "fit":
-        trainer.fit(model, datamodule=data, ckpt_path=str(ckpt) if ckpt else None)
+        try:
+            trainer.fit(model, datamodule=data, ckpt_path=str(ckpt) if ckpt else None)
+        except Exception as exc:
+            # A training error the strategy has reworded for the user (e.g. unused parameters): one line.
+            if getattr(exc, "gradsync_message", None):
+                raise GradsyncError(exc.gradsync_message) from None
+            raise
         clock.train_metrics = {k: v for k, v in trainer.callback_metrics.items() if k.startswith("train_")}
         if clock.last_val_step != trainer.global_step and is_overridden("validation_step", model):
             trainer.validate(model, datamodule=data, verbose=False)  # (a module without one has no validation)

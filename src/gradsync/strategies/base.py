@@ -25,6 +25,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import re
 import secrets
 import warnings
 from datetime import timedelta
@@ -37,7 +38,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from gradsync.comm import CODEC_OPTIONS
 from gradsync.comm.ledger import CommLedger
 from gradsync.comm.topology import Topology, launcher_layout
-from gradsync.errors import GradsyncError, check
+from gradsync.errors import GradsyncError, check, spell
 from gradsync.strategies import parts as rank_parts
 from gradsync.strategies.lightning_private import (
     fit_batch_progress, process_group_backend, process_group_timeout, set_process_group_backend,
@@ -46,6 +47,9 @@ from gradsync.strategies.lightning_private import (
 Backend = Literal["auto", "nccl", "gloo"]
 log = logging.getLogger("gradsync")
 
+# torch's DDP error for parameters without a gradient (Lightning's rewording of it too).
+_UNUSED_PARAMETERS = re.compile(r"Expected to have finished reduction in the prior iteration|parameters that were "
+                                r"not used in producing the loss")
 # Options of the base that are DDP wrapper settings (passed to torch's DistributedDataParallel).
 _DDP_OPTIONS = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "find_unused_parameters")
 
@@ -183,7 +187,7 @@ class GradsyncStrategy(DDPStrategy):
     def _set_scope(self, scope: str, procs_per_node: Optional[int]) -> None:
         check(scope in ("world", "node"), "scope", scope,
               "must be world (every rank alike) or node (sync inside a node, the strategy across nodes)",
-              "e.g. --strategy.scope node")
+              f"e.g. {spell('scope', 'node')}")
         check(procs_per_node is None or (isinstance(procs_per_node, int) and not isinstance(procs_per_node, bool)
                                          and procs_per_node >= 1), "procs_per_node", procs_per_node,
               "must be an integer >= 1 (processes that play one node)",
@@ -197,11 +201,11 @@ class GradsyncStrategy(DDPStrategy):
         k = self.procs_per_node
         if k is not None:
             check(world_size % k == 0, "procs_per_node", k, f"must divide the number of processes ({world_size})",
-                  "e.g. --strategy.procs_per_node 1 (every process plays a node)")
+                  f"e.g. {spell('procs_per_node', 1)} (every process plays a node)")
             return
         check(num_nodes > 1, "scope", "node",
               f"synchronizes across nodes, and this run has 1 node ({world_size} process(es))",
-              "use --strategy.scope world, or --strategy.procs_per_node K to let K processes play one node")
+              f"use {spell('scope', 'world')}, or {spell('procs_per_node')} K to let K processes play one node")
 
     def wants_node_groups(self) -> bool:
         """True when the strategy synchronizes per node (it gets intra- and inter-node groups)."""
@@ -247,6 +251,19 @@ class GradsyncStrategy(DDPStrategy):
             self._weighted = True
         return out
 
+    def on_exception(self, exception: BaseException) -> None:
+        # DDPStrategy's advice for unused parameters (strategy='ddp_find_unused_parameters_true') would
+        # replace this strategy with stock DDP; name this strategy's own option instead, spelled for the
+        # entry point in use (the CLI flag, or the constructor argument under plain L.Trainer).
+        if _UNUSED_PARAMETERS.search(str(exception)):
+            message = (f"{type(self).__name__}: some parameters got no gradient in a training step (a layer the "
+                       f"loss does not use); set {spell('find_unused_parameters', True)} to let DDP skip them, or "
+                       "freeze them (requires_grad=False)")
+            exception.args = (message,)
+            exception.gradsync_message = message  # type: ignore[attr-defined]  # the CLI prints it as one line
+            return
+        super().on_exception(exception)
+
     #: True when every rank holds the same gradients after backward (DDP-style all-reduce), so a
     #: rank's own finiteness check is already the global answer; False for local-step strategies.
     gradients_synchronized: ClassVar[bool] = True
@@ -269,7 +286,7 @@ class GradsyncStrategy(DDPStrategy):
             if self.nonfinite_grads == "stop":
                 raise GradsyncError(
                     f"non-finite gradient (NaN/Inf) at optimizer step {step} on at least one rank; stopping "
-                    f"(--strategy.nonfinite_grads skip would skip such steps on every rank)")
+                    f"({spell('nonfinite_grads', 'skip')} would skip such steps on every rank)")
             self.skipped_steps.append(step)
             if self.global_rank == 0:
                 log.warning(f"gradsync: skipped optimizer step {step} on every rank: non-finite gradient")

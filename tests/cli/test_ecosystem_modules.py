@@ -1,0 +1,65 @@
+"""Modules of kinds gradsync did not write (tests/ecosystem_modules.py) from `gradsync fit --model --data`
+and from plain L.Trainer: a layer the loss never uses, BatchNorm buffers, two optimizers."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline",
+            "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+def gradsync(*args, timeout=200):
+    return subprocess.run([sys.executable, "-m", "gradsync.cli.main", "fit", "--data", "ecosystem_modules.RandomData",
+                           "--devices", "2", "--accelerator", "cpu", *args],
+                          capture_output=True, text=True, timeout=timeout, env=env())
+
+
+def test_unused_layer_names_the_strategy_option_on_the_cli(tmp_path):
+    r = gradsync("--model", "ecosystem_modules.UnusedLayer", "--strategy", "diloco", "--max-steps", "4")
+    assert r.returncode == 2, r.stderr[-3000:]
+    errors = [line for line in r.stderr.splitlines() if line.strip() and "available:" not in line]
+    assert errors == [
+        "gradsync: error: DiLoCoStrategy: some parameters got no gradient in a training step (a layer the loss "
+        "does not use); set --strategy.find_unused_parameters true to let DDP skip them, or freeze them "
+        "(requires_grad=False)"], r.stderr[-3000:]
+    # the option it names is the fix
+    r = gradsync("--model", "ecosystem_modules.UnusedLayer", "--strategy", "diloco", "--max-steps", "4",
+                 "--strategy.find_unused_parameters", "true", "--output-dir", str(tmp_path / "run"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["global_step"] == 4
+
+
+PLAIN = """
+import lightning as L
+from gradsync.strategies.compressed import CompressedStrategy
+from ecosystem_modules import RandomData, UnusedLayer
+
+trainer = L.Trainer(strategy=CompressedStrategy(codec="int8"), accelerator="cpu", devices=2, max_steps=4,
+                    logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(UnusedLayer(), datamodule=RandomData())
+"""
+
+
+def test_unused_layer_names_the_constructor_argument_under_plain_lightning(tmp_path):
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN)
+    e = env()
+    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "GRADSYNC_ENTRY"):
+        e.pop(var, None)
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=200, env=e,
+                       cwd=tmp_path)
+    assert r.returncode != 0
+    assert ("RuntimeError: CompressedStrategy: some parameters got no gradient in a training step (a layer the "
+            "loss does not use); set find_unused_parameters=True to let DDP skip them") in r.stderr, r.stderr[-3000:]
+    assert "ddp_find_unused_parameters_true" not in r.stderr and "--strategy." not in r.stderr
