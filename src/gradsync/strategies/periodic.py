@@ -56,7 +56,7 @@ from gradsync.errors import GradsyncError, check
 from gradsync.strategies.base import GradsyncStrategy
 from gradsync.strategies.lightning_private import ddp_kwargs
 
-Codec = Literal["identity", "fp16", "bf16", "int8", "int4", "sign", "topk", "powersgd"]
+Codec = Literal["identity", "fp16", "bf16", "int8", "int4", "sign", "topk", "powersgd", "sparseloco"]
 Scope = Literal["world", "node"]
 
 
@@ -201,6 +201,10 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
         rank: int = CODEC_OPTIONS["rank"][0],
         warm_start: bool = CODEC_OPTIONS["warm_start"][0],
         seed: int = CODEC_OPTIONS["seed"][0],
+        sparse_chunk_size: int = CODEC_OPTIONS["sparse_chunk_size"][0],
+        sparse_k: int = CODEC_OPTIONS["sparse_k"][0],
+        value_bits: int = CODEC_OPTIONS["value_bits"][0],
+        error_decay: float = CODEC_OPTIONS["error_decay"][0],
         scope: Scope = "world",
         procs_per_node: Optional[int] = None,
         **kwargs: Any,
@@ -213,7 +217,7 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
                 period, in fp32; otherwise each rank keeps its own.
             overlap: issue each round's reduction without waiting and apply it one period later.
             codec: how a round's tensors cross the network: ``identity`` (fp32, exact), ``fp16``,
-                ``bf16``, ``int8``, ``int4``, ``sign``, ``topk``, ``powersgd`` — the codecs of
+                ``bf16``, ``int8``, ``int4``, ``sign``, ``topk``, ``powersgd``, ``sparseloco`` — the codecs of
                 ``compressed``, with the same options.
             error_feedback: carry what the codec dropped into the next round (per rank, per
                 parameter). Default: on for every lossy codec, off for ``identity``.
@@ -222,6 +226,10 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
             rank: powersgd: rank of the approximation, >= 1.
             warm_start: powersgd: start each power iteration from the previous round's Q.
             seed: int8, int4: stochastic-rounding seed (rank r uses seed + r); powersgd: initial Q.
+            sparse_chunk_size: sparseloco: entries per top-k chunk, a power of two.
+            sparse_k: sparseloco: entries sent per chunk.
+            value_bits: sparseloco: bits per sent value, 2, 4 or 8.
+            error_decay: sparseloco: factor on the error-feedback residual before it is added, in (0, 1].
             scope: ``world``: every rank trains its own replica and rounds average all of them;
                 ``node``: every inner step all-reduces gradients inside the node (fp32, as DDP), so
                 each node holds one replica, and rounds (with their codec) run across nodes only.
@@ -234,7 +242,8 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
         check(isinstance(warmup_steps, int) and not isinstance(warmup_steps, bool) and warmup_steps >= 0,
               "warmup_steps", warmup_steps, "must be an integer >= 0", "0 disables the synchronous warm-up")
         codec_options = {"chunk_size": chunk_size, "fraction": fraction, "rank": rank, "warm_start": warm_start,
-                         "seed": seed}
+                         "seed": seed, "sparse_chunk_size": sparse_chunk_size, "sparse_k": sparse_k,
+                         "value_bits": value_bits, "error_decay": error_decay}
         check_codec_options(codec, codec_options)
         check(not (error_feedback and codec not in LOSSY), "error_feedback", error_feedback,
               f"is not used by codec {codec} (it is exact)", "drop --strategy.error_feedback or choose a lossy codec")
@@ -244,8 +253,8 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
         self.overlap = bool(overlap)
         self.codec = codec
         self.error_feedback = (codec in LOSSY) if error_feedback is None else bool(error_feedback)
-        self.chunk_size, self.fraction, self.rank, self.warm_start, self.seed = (
-            chunk_size, fraction, rank, warm_start, seed)
+        for option, value in codec_options.items():
+            setattr(self, option, value)
         build_reducer(codec, error_feedback=self.error_feedback, **codec_options)  # validates the codec's options
         super().__init__(**kwargs)
         self._set_scope(scope, procs_per_node)
