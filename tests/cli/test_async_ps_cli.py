@@ -29,7 +29,7 @@ def test_async_ps_on_three_processes_reports_staleness(tmp_path):
     assert max(hist) <= 3 == ps["max_staleness"]  # the bound held for every applied gradient
     assert ps["pushes"] == 60 and ps["pulls"] == 60 and ps["server_version"] == ps["server_updates"]
     assert [w["steps"] for w in ps["workers"]] == [20, 20, 20]
-    assert summary["ranks_agree"] is True  # every rank ends with the server's model
+    assert summary["params_agree"] is True  # every rank ends with the server's model
     assert "staleness" in r.stdout and "histogram" in r.stdout
     ckpt = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)
     assert read_parts(out / "checkpoints" / "last.ckpt")[0]["shards"][0]["version"] == ps["server_version"]

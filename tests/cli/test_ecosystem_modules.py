@@ -63,3 +63,23 @@ def test_unused_layer_names_the_constructor_argument_under_plain_lightning(tmp_p
     assert ("RuntimeError: CompressedStrategy: some parameters got no gradient in a training step (a layer the "
             "loss does not use); set find_unused_parameters=True to let DDP skip them") in r.stderr, r.stderr[-3000:]
     assert "ddp_find_unused_parameters_true" not in r.stderr and "--strategy." not in r.stderr
+
+
+def summary_of(tmp_path, name, *args):
+    out = tmp_path / name
+    r = gradsync("--model", "ecosystem_modules.BatchNormNet", "--output-dir", str(out), *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_buffers_agree_says_whether_batchnorm_statistics_match_across_ranks(tmp_path):
+    # sync: DDP broadcasts rank 0's buffers before each forward, then each rank's forward updates its
+    # running statistics from its own batch, so the ranks end apart while the weights agree
+    sync = summary_of(tmp_path, "sync", "--strategy", "sync", "--max-steps", "6")
+    assert sync["params_agree"] is True and sync["buffers_agree"] is False
+    # --sync-batchnorm: statistics over the global batch, the same on every rank
+    synced = summary_of(tmp_path, "sbn", "--strategy", "sync", "--max-steps", "6", "--sync-batchnorm")
+    assert synced["params_agree"] is True and synced["buffers_agree"] is True
+    # diloco's rounds average the buffers with the parameters
+    diloco = summary_of(tmp_path, "diloco", "--strategy", "diloco", "--strategy.period", "3", "--max-steps", "6")
+    assert diloco["params_agree"] is True and diloco["buffers_agree"] is True

@@ -32,7 +32,7 @@ def test_two_nodes_on_localhost_train_and_agree(tmp_path):
     assert [p.returncode for p in procs] == [0, 0], logs[0][-2000:] + logs[1][-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["num_nodes"] == 2
-    assert summary["global_step"] == 10 and summary["ranks_agree"] is True
+    assert summary["global_step"] == 10 and summary["params_agree"] is True
     assert "[node 1] step 10/10" in logs[1], logs[1][-2000:]  # every node shows that it trains
     assert "[node 1]" not in logs[0] and "step 10/10" in logs[0]
 

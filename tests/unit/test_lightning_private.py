@@ -20,6 +20,15 @@ def test_ddp_strategy_members():
     assert lp.process_group_timeout(s) is not None
 
 
+def test_layer_sync_of_a_strategy_sync_batchnorm_configured():
+    from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
+
+    trainer = L.Trainer(accelerator="cpu", strategy=DDPStrategy(), devices=1, sync_batchnorm=True, logger=False)
+    assert isinstance(lp.layer_sync(trainer.strategy), TorchSyncBatchNorm)
+    lp.set_layer_sync(trainer.strategy, None)
+    assert lp.layer_sync(trainer.strategy) is None
+
+
 def test_sigterm_broadcast_of_the_training_epoch_loop():
     trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
     calls = []
@@ -54,7 +63,7 @@ def test_missing_members_fail_loudly():
         pass
 
     for accessor in (lp.ddp_kwargs, lp.process_group_backend, lp.process_group_timeout, lp.work_source_rank,
-                     lp.wandb_init_kwargs):
+                     lp.wandb_init_kwargs, lp.layer_sync):
         with pytest.raises(lp.LightningInternalsChanged, match="is gone in this version"):
             accessor(Bare())
     with pytest.raises(lp.LightningInternalsChanged, match="batch_progress"):

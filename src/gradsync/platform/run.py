@@ -411,7 +411,8 @@ def build_summary(spec: RunSpec, trainer: L.Trainer, model: Any, data: Any, cloc
 
     if dist.is_available() and dist.is_initialized():
         backend = dist.get_backend()
-    agree = ranks_agree(model)
+    params_agree = ranks_agree(list(model.parameters()))
+    buffers_agree = ranks_agree(list(model.buffers()))
     nccl = None
     if backend == "nccl":
         nccl = ".".join(map(str, torch.cuda.nccl.version()))
@@ -444,7 +445,8 @@ def build_summary(spec: RunSpec, trainer: L.Trainer, model: Any, data: Any, cloc
                                       if clock.median_step_seconds else None),
         "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
         "resumed_from_step": resumed_from,
-        "ranks_agree": agree,
+        "params_agree": params_agree,
+        "buffers_agree": buffers_agree,
         "nonfinite_skipped_steps": list(getattr(strategy, "skipped_steps", [])),
         "strategy_stats": strategy.run_stats() if isinstance(strategy, GradsyncStrategy) else {},
         "checkpoint": str(spec.checkpoint_path) if spec.checkpoint_path and spec.checkpoint_path.exists() else None,
@@ -452,13 +454,14 @@ def build_summary(spec: RunSpec, trainer: L.Trainer, model: Any, data: Any, cloc
     }
 
 
-def ranks_agree(model: torch.nn.Module) -> bool:
-    """Whether every rank holds the same weights (a float64 fingerprint, compared exactly)."""
+def ranks_agree(tensors: list) -> bool:
+    """Whether every rank holds the same values of ``tensors`` (the parameters, or the buffers such as
+    BatchNorm's running statistics): a float64 fingerprint, compared exactly. A collective: every rank calls it."""
     import torch.distributed as dist
 
-    params = [p.detach() for p in model.parameters()]
+    params = [t.detach() for t in tensors]
     if not params or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return True
+        return True  # (every rank holds the same module, so every rank returns here alike)
     flat = torch.cat([p.reshape(-1).double() for p in params])
     idx = torch.arange(flat.numel(), dtype=torch.float64, device=flat.device)
     fp = torch.stack([flat.sum(), (flat * flat).sum(), (flat * (idx % 97 + 1)).sum()])

@@ -41,8 +41,10 @@ from gradsync.comm.topology import Topology, launcher_layout
 from gradsync.errors import GradsyncError, check, spell
 from gradsync.strategies import parts as rank_parts
 from gradsync.strategies.lightning_private import (
-    fit_batch_progress, process_group_backend, process_group_timeout, set_process_group_backend,
+    fit_batch_progress, layer_sync, process_group_backend, process_group_timeout, set_layer_sync,
+    set_process_group_backend,
 )
+from gradsync.strategies.sync_batchnorm import layer_sync_for
 
 Backend = Literal["auto", "nccl", "gloo"]
 log = logging.getLogger("gradsync")
@@ -237,6 +239,8 @@ class GradsyncStrategy(DDPStrategy):
               "drop static_graph, or use a global batch without accumulation")
         self.accumulation_steps = accumulation
         self.check_world_size(self.world_size)
+        # sync_batchnorm=True: torch's SyncBatchNorm runs on CUDA only; elsewhere use one that all-reduces
+        set_layer_sync(self, layer_sync_for(layer_sync(self), self.root_device.type))
         super().setup(trainer)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

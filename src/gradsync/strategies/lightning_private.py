@@ -19,6 +19,8 @@ Members (and what breaks without them):
   rescaled when a resume changes the accumulation K.
 * ``WandbLogger._wandb_init``: the arguments Lightning passes to ``wandb.init``.
 * ``CSVLogger._experiment``: the writer a resumable CSV log replaces.
+* ``ParallelStrategy._layer_sync``: the plugin ``sync_batchnorm=True`` sets; torch's SyncBatchNorm
+  fails on CPU, so gradsync strategies swap in a layer that works on any backend.
 
 The DDP communication hook is registered through the public ``configure_ddp`` (not Lightning's
 private ``_register_ddp_hooks``, which registers hooks on CUDA only).
@@ -101,3 +103,15 @@ def wandb_init_kwargs(logger: Any) -> dict:
     if not isinstance(kwargs, dict):
         raise _missing("WandbLogger", "_wandb_init", "W&B runs cannot be configured")
     return kwargs
+
+
+def layer_sync(strategy: Any) -> Any:
+    """The ``LayerSync`` plugin (``sync_batchnorm=True``) Lightning gave the strategy, or None."""
+    if not hasattr(strategy, "_layer_sync"):
+        raise _missing("ParallelStrategy", "_layer_sync", "--sync-batchnorm would fail on CPU")
+    return strategy._layer_sync
+
+
+def set_layer_sync(strategy: Any, plugin: Any) -> None:
+    layer_sync(strategy)
+    strategy._layer_sync = plugin
