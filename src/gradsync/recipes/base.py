@@ -90,7 +90,7 @@ class Recipe(L.LightningModule):
     def __init__(
         self,
         *,
-        optimizer: Literal["sgd", "adamw"] = "sgd",
+        optimizer: Literal["sgd", "adamw", "muon"] = "sgd",
         lr: float = 0.05,
         momentum: float = 0.9,
         betas: tuple[float, float] = (0.9, 0.999),
@@ -102,7 +102,9 @@ class Recipe(L.LightningModule):
     ) -> None:
         """
         Args:
-            optimizer: ``sgd`` (with ``momentum``) or ``adamw`` (with ``betas``).
+            optimizer: ``sgd`` (with ``momentum``), ``adamw`` (with ``betas``) or ``muon``:
+                ``torch.optim.Muon`` on :meth:`muon_parameters` (the hidden weight matrices), AdamW
+                on the rest, both at ``lr`` and ``weight_decay`` (:class:`~gradsync.recipes.optim.MuonAdamW`).
             lr: peak learning rate, > 0.
             momentum: SGD momentum in [0, 1); ignored by adamw.
             betas: AdamW's two moment decay rates, each in [0, 1); ignored by sgd.
@@ -115,7 +117,7 @@ class Recipe(L.LightningModule):
             min_lr_ratio: the cosine's floor as a fraction of ``lr``, in [0, 1].
         """
         super().__init__()
-        check(optimizer in ("sgd", "adamw"), "optimizer", optimizer, "must be sgd or adamw")
+        check(optimizer in ("sgd", "adamw", "muon"), "optimizer", optimizer, "must be sgd, adamw or muon")
         check(lr > 0, "lr", lr, "must be > 0", "e.g. --lr 0.05")
         check(0 <= momentum < 1, "momentum", momentum, "must be in [0, 1)")
         check(len(betas) == 2 and all(0 <= b < 1 for b in betas), "betas", betas,
@@ -157,6 +159,13 @@ class Recipe(L.LightningModule):
         """Parameter groups for the optimizer; override to exempt e.g. biases from weight decay."""
         return [{"params": [p for p in self.parameters() if p.requires_grad]}]
 
+    def muon_parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters ``--model.optimizer muon`` gives to Muon: every 2-D parameter except
+        embeddings' (Muon orthogonalizes a matrix's update, which suits a layer's weights, not a
+        lookup table). Override to exclude e.g. an output head."""
+        embeddings = {id(m.weight) for m in self.modules() if isinstance(m, torch.nn.Embedding)}
+        return [p for p in self.parameters() if p.requires_grad and p.dim() == 2 and id(p) not in embeddings]
+
     # ---- conventions -----------------------------------------------------------------------
     def training_step(self, batch: Any, batch_idx: int) -> Union[torch.Tensor, dict]:
         out = self.compute_loss(batch)
@@ -174,8 +183,10 @@ class Recipe(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         groups = self.parameter_groups()
-        if self.optimizer_name == "adamw":
-            opt: torch.optim.Optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=self.betas,
+        if self.optimizer_name == "muon":
+            opt: torch.optim.Optimizer = self._muon_adamw(groups)
+        elif self.optimizer_name == "adamw":
+            opt = torch.optim.AdamW(groups, lr=self.lr, betas=self.betas,
                                                            weight_decay=self.weight_decay)
         else:
             opt = torch.optim.SGD(groups, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
@@ -184,6 +195,17 @@ class Recipe(L.LightningModule):
         schedule = LRSchedule(self.scheduler_name, self.warmup_steps, self._decay_steps(), self.min_lr_ratio)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1}}
+
+    def _muon_adamw(self, groups: list[dict]) -> torch.optim.Optimizer:
+        from gradsync.recipes.optim import MuonAdamW
+
+        muon = {id(p) for p in self.muon_parameters()}
+        muon_groups, adamw_groups = [], []
+        for g in groups:  # each group split in two, keeping its own options (weight decay)
+            params = list(g["params"])
+            muon_groups.append({**g, "params": [p for p in params if id(p) in muon]})
+            adamw_groups.append({**g, "params": [p for p in params if id(p) not in muon]})
+        return MuonAdamW(muon_groups, adamw_groups, lr=self.lr, betas=self.betas, weight_decay=self.weight_decay)
 
     def _decay_steps(self) -> int:
         if self.decay_steps is not None or self.scheduler_name == "constant":

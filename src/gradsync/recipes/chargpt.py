@@ -147,7 +147,7 @@ class CharGPT(Recipe):
     metric_name = "val_ppl"
 
     def __init__(self, *, n_layer: int = 4, n_head: int = 4, n_embd: int = 128, block_size: int = 128,
-                 dropout: float = 0.0, optimizer: Literal["sgd", "adamw"] = "adamw", lr: float = 2e-3,
+                 dropout: float = 0.0, optimizer: Literal["sgd", "adamw", "muon"] = "adamw", lr: float = 2e-3,
                  betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.1,
                  scheduler: Scheduler = "cosine", warmup_steps: int = 50, min_lr_ratio: float = 0.1,
                  **kwargs: Any) -> None:
@@ -159,7 +159,9 @@ class CharGPT(Recipe):
             block_size: context length in characters (the data cuts windows of this length), >= 1.
             dropout: dropout on attention, residual and embedding outputs, in [0, 1); 0 keeps
                 data-parallel runs exactly comparable with single-process ones.
-            optimizer: ``adamw`` (default here) or ``sgd``.
+            optimizer: ``adamw`` (default here), ``sgd``, or ``muon``: ``torch.optim.Muon`` on the
+                blocks' weight matrices, AdamW on the (tied) embedding and head, positions, norms and
+                biases, at the same ``lr`` and ``weight_decay`` (MuLoCo, arXiv 2505.23725).
             lr: peak learning rate, > 0.
             betas: AdamW's moment decay rates; 0.99 suits the few tokens per step of small runs.
             weight_decay: decoupled weight decay of matrices and embeddings (not biases, norms), >= 0.
@@ -236,6 +238,11 @@ class CharGPT(Recipe):
         params = [p for p in self.parameters() if p.requires_grad]
         return [{"params": [p for p in params if p.dim() >= 2]},
                 {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+    def muon_parameters(self) -> list[torch.nn.Parameter]:
+        """The transformer blocks' weight matrices (attention and MLP): not the token embedding,
+        which is also the output head, nor the position embedding."""
+        return [p for p in self.net.blocks.parameters() if p.requires_grad and p.dim() == 2]
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
