@@ -83,3 +83,22 @@ def test_buffers_agree_says_whether_batchnorm_statistics_match_across_ranks(tmp_
     # diloco's rounds average the buffers with the parameters
     diloco = summary_of(tmp_path, "diloco", "--strategy", "diloco", "--strategy.period", "3", "--max-steps", "6")
     assert diloco["params_agree"] is True and diloco["buffers_agree"] is True
+
+
+def test_two_optimizers_count_batches_as_training_steps(tmp_path):
+    # manual optimization, two optimizer.step() per batch: Lightning's global_step grows by 2 a batch
+    out = tmp_path / "two"
+    # (each backward reaches half the parameters: DDP needs find_unused_parameters, as for any GAN)
+    r = gradsync("--model", "ecosystem_modules.TwoOptimizers", "--strategy", "sync", "--max-steps", "10",
+                 "--strategy.find_unused_parameters", "true", "--batch-size", "8", "--output-dir", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    # 10 batches of 8 samples on each of 2 processes: 160 samples
+    assert summary["global_step"] == 10 and summary["optimizer_steps"] == 20
+    assert summary["global_batch_size"] == 16
+    sps, train_seconds = summary["samples_per_second"], summary["train_seconds"]
+    assert sps == pytest.approx(10 * 16 / train_seconds, rel=0.02), (sps, train_seconds)
+    progress = [line for line in r.stdout.splitlines() if line.startswith("step ")]
+    assert progress[0].startswith("step 1/10") and progress[-1].startswith("step 10/10"), progress
+    assert f"samples/s {sps:,.0f}" in progress[-1]
+    assert "10 (20 optimizer steps)" in r.stdout  # the text summary shows both counts

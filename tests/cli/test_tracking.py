@@ -102,7 +102,7 @@ def test_plain_output_and_summary_table(wandb_run):
     assert "samples/s" in progress[-1]
     summary = json.loads((out / "summary.json").read_text())
     table = _table(r.stdout)
-    assert table["strategy"] == "local_sgd" and table["optimizer steps"] == "12"
+    assert table["strategy"] == "local_sgd" and table["training steps"] == "12"
     assert table["processes x nodes"].startswith("2 x 1 (gloo")
     assert table["train_loss"] == f"{summary['metrics']['train_loss']:.4g}"
     assert table["val_acc"] == f"{summary['metrics']['val_acc']:.4g}"
@@ -151,7 +151,7 @@ def test_compare_two_runs_writes_table_and_plots(wandb_run, tmp_path, capsys):
     assert header.index("sync") < header.index("local_sgd")
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in (plots / "comparison.md").read_text().splitlines()[2:] if line.startswith("|")}
-    assert rows["strategy"] == ["sync", "local_sgd"] and rows["optimizer steps"] == ["8", "12"]
+    assert rows["strategy"] == ["sync", "local_sgd"] and rows["training steps"] == ["8", "12"]
     # numbers, and the runs' own: each run's samples/s and final loss as its summary.json has them
     for i, run in enumerate((sync, local_sgd)):
         summary = json.loads((run / "summary.json").read_text())

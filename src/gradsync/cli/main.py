@@ -65,7 +65,8 @@ RUN_FLAGS: list[tuple[tuple[str, ...], dict]] = [
     (("--print_launch", "--print-launch"), dict(action="store_true",
           help="print the per-node torchrun commands and an sbatch script, then exit")),
     (("--max_steps", "--max-steps"), dict(type=int, default=-1,
-          help="stop after this many optimizer steps")),
+          help="stop after this many training steps: optimizer steps, or batches under manual optimization "
+               "(a module that steps several optimizers per batch)")),
     (("--max_epochs", "--max-epochs"), dict(type=Optional[int], default=None,
           help="stop after this many epochs")),
     (("--seed",), dict(type=int, default=0,

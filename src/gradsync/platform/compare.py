@@ -6,7 +6,7 @@ Reads each run's ``summary.json`` and ``logs/metrics.csv`` (written by every run
 ``--output-dir``), prints a table with one column per run, writes it as ``comparison.md`` and
 draws three PNG plots (matplotlib, no display needed):
 
-* ``loss_vs_step.png``: training loss against optimizer steps: what each strategy does per step;
+* ``loss_vs_step.png``: training loss against training steps: what each strategy does per step;
 * ``loss_vs_wire_bytes.png``: training loss against the bytes each rank sent: what it costs on the
   network (the picture that shows which strategy wins on a slow link);
 * ``val_vs_wall_time.png``: the validation metric against training wall time.
@@ -157,7 +157,7 @@ def comparison_rows(runs: list[RunRecord]) -> list[tuple[str, list[str]]]:
         ("recipe", col(lambda s: s["recipe"])),
         ("processes x nodes", col(lambda s: f"{per_node(s)} x {s['num_nodes']}")),
         ("global batch", col(lambda s: f"{s['global_batch_size']} (K={s.get('accumulation_steps', 1)})")),
-        ("optimizer steps", col(lambda s: str(s["global_step"]))),
+        ("training steps", col(lambda s: str(s["global_step"]))),
     ]
     rows += [(k, col(metric(k))) for k in metric_names]
     rows += [

@@ -9,10 +9,11 @@ plain lines, a tenth of the run apart, with no colour codes or carriage returns:
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 from lightning.pytorch.callbacks.progress import ProgressBar
+
+from gradsync.platform.steps import total_training_steps, training_steps
 
 
 def _num(v: Any) -> Optional[float]:
@@ -97,10 +98,9 @@ class GradsyncProgressBar(ProgressBar):
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if not self._enabled:
             return
-        total = trainer.estimated_stepping_batches
-        self._total = int(total) if total is not None and math.isfinite(total) else None
+        self._total = total_training_steps(trainer)
         self._every = max(1, (self._total or 500) // self._num_lines)
-        self._last_printed = trainer.global_step
+        self._last_printed = training_steps(trainer)
         if self._live:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -108,13 +108,13 @@ class GradsyncProgressBar(ProgressBar):
                 TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(),
                 TextColumn("{task.fields[stats]}"), console=self._console, transient=False)
             self._progress.start()
-            self._task = self._progress.add_task("train", total=self._total, completed=trainer.global_step,
+            self._task = self._progress.add_task("train", total=self._total, completed=training_steps(trainer),
                                                  stats="")
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if not self._enabled:
             return
-        step = trainer.global_step
+        step = training_steps(trainer)
         from gradsync.platform.tracking import telemetry_of
 
         telemetry = telemetry_of(trainer)
@@ -134,7 +134,7 @@ class GradsyncProgressBar(ProgressBar):
         vals = {k: _num(v) for k, v in trainer.callback_metrics.items() if k.startswith("val_")}
         text = "  ".join(f"{k} {v:.4f}" for k, v in sorted(vals.items()) if v is not None)
         if text:
-            self._print(f"validation at step {trainer.global_step}: {text}")
+            self._print(f"validation at step {training_steps(trainer)}: {text}")
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._stop()

@@ -33,7 +33,8 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
                               f"{summary.get('accelerator')})"),
         ("global batch", f"{summary.get('global_batch_size')} = {summary.get('micro_batch_size')} micro-batch x "
                          f"{summary.get('accumulation_steps', 1)} accumulation x {summary.get('world_size')} processes"),
-        ("optimizer steps", _fmt(summary.get("global_step"))),
+        ("training steps", _fmt(summary.get("global_step"))
+         + (f" ({summary['optimizer_steps']} optimizer steps)" if summary.get("optimizer_steps") else "")),
     ]
     rows += [(k, _fmt(v)) for k, v in (summary.get("metrics") or {}).items()]
     rows += [
@@ -43,7 +44,7 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         ("peak bytes in one sync", _fmt_exact_bytes(comm.get("peak_sync_bytes"))),
         ("collectives", _fmt(comm.get("collectives"))),
         ("communication time", _comm_time(comm.get("seconds"), summary.get("comm_time_share"))),
-        ("training time", f"{_fmt(summary.get('train_seconds'))} s (optimizer steps, since the run first started)"),
+        ("training time", f"{_fmt(summary.get('train_seconds'))} s (training steps, since the run first started)"),
         ("wall time", f"{_fmt(summary.get('wall_seconds'))} s (this command, start-up included)"),
         ("samples/s", _fmt(summary.get("samples_per_second"))),
     ]

@@ -25,6 +25,7 @@ from lightning.pytorch.strategies import Strategy, StrategyRegistry
 from gradsync.catalog import strategy_class_path
 from gradsync.errors import GradsyncError, check
 from gradsync.platform.checkpoint import AtomicCheckpointIO, atomic_torch_save, load_checkpoint_file
+from gradsync.platform.steps import TrainingStepLimit, training_steps
 from gradsync.strategies import STRATEGIES, GradsyncStrategy
 
 log = logging.getLogger("gradsync")
@@ -171,7 +172,7 @@ class _RunClock(Callback):
         self.fit_start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if len(self._step_marks) <= trainer.global_step - self.start_step:
+        if len(self._step_marks) <= training_steps(trainer) - self.start_step:
             self._step_marks.append(time.perf_counter())
 
     def on_validation_start(self, trainer, pl_module) -> None:
@@ -185,11 +186,11 @@ class _RunClock(Callback):
         return sorted(gaps)[len(gaps) // 2] if gaps else None
 
     def on_train_start(self, trainer, pl_module) -> None:
-        self.start_step = trainer.global_step
+        self.start_step = training_steps(trainer)
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if not trainer.sanity_checking:
-            self.last_val_step = trainer.global_step
+            self.last_val_step = training_steps(trainer)
 
 
 class RunInfo(Callback):
@@ -231,7 +232,8 @@ def build_trainer(spec: RunSpec, strategy: Union[Strategy, str], clock: _RunCloc
     user_callbacks = list(user_callbacks) if isinstance(user_callbacks, (list, tuple)) else [user_callbacks]
     user_plugins = given.pop("plugins", None) or []
     user_plugins = list(user_plugins) if isinstance(user_plugins, (list, tuple)) else [user_plugins]
-    callbacks: list[Callback] = [clock, CommMetrics(), RunInfo({"global_batch_size": global_batch}),
+    callbacks: list[Callback] = [clock, TrainingStepLimit(spec.max_steps), CommMetrics(),
+                                 RunInfo({"global_batch_size": global_batch}),
                                  ConfigConsistency(config_fingerprint(spec)), *user_callbacks]
     from gradsync.platform.progress import GradsyncProgressBar
     from gradsync.platform.tracking import RunTelemetry, build_loggers
@@ -314,7 +316,7 @@ def execute(spec: RunSpec) -> dict:
                 raise GradsyncError(exc.gradsync_message) from None
             raise
         clock.train_metrics = {k: v for k, v in trainer.callback_metrics.items() if k.startswith("train_")}
-        if clock.last_val_step != trainer.global_step and is_overridden("validation_step", model):
+        if clock.last_val_step != training_steps(trainer) and is_overridden("validation_step", model):
             trainer.validate(model, datamodule=data, verbose=False)  # (a module without one has no validation)
         if spec.checkpoint_path is not None:
             trainer.save_checkpoint(str(spec.checkpoint_path), weights_only=False)
@@ -430,7 +432,8 @@ def build_summary(spec: RunSpec, trainer: L.Trainer, model: Any, data: Any, cloc
         "nccl_version": nccl,
         "accelerator": type(trainer.accelerator).__name__.replace("Accelerator", "").lower(),
         "seed": spec.seed,
-        "global_step": trainer.global_step,
+        "global_step": training_steps(trainer),  # training steps (platform/steps.py)
+        **({"optimizer_steps": trainer.global_step} if training_steps(trainer) != trainer.global_step else {}),
         "micro_batch_size": micro,
         "accumulation_steps": k,
         "global_batch_size": global_batch,

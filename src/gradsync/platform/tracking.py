@@ -45,6 +45,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
 from gradsync.errors import GradsyncError
+from gradsync.platform.steps import training_steps
 from gradsync.strategies.lightning_private import wandb_init_kwargs
 
 LoggerName = Literal["csv", "wandb", "tensorboard"]
@@ -327,7 +328,7 @@ class RunTelemetry(Callback):
     The progress line, the text summary, ``summary.json``, the loggers (CSV, W&B) and
     ``gradsync compare`` all read these figures from here, so they agree:
 
-    * ``perf/samples_per_second``: samples trained (optimizer steps x global batch) over training
+    * ``perf/samples_per_second``: samples trained (training steps x global batch) over training
       time, both counted since the run first started (carried across resumes in the checkpoint).
       Training time is the time of optimizer steps: validation and checkpoint writes at the end of
       a step interval are inside it, start-up (imports, rendezvous, the first data loader) is not.
@@ -420,7 +421,7 @@ class RunTelemetry(Callback):
     def _mark(self, trainer: Any) -> None:
         ledger = _ledger(trainer)
         self._t = time.perf_counter()
-        self._step = trainer.global_step
+        self._step = training_steps(trainer)
         self._comm = float(ledger.seconds) if ledger is not None else 0.0
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
@@ -434,11 +435,11 @@ class RunTelemetry(Callback):
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
             if isinstance(loss, torch.Tensor) and loss.numel() == 1:
                 pl_module.log("train_loss", loss.detach().float(), on_step=True, on_epoch=False)
-        if self._t is None or trainer.global_step == self._step:
+        if self._t is None or training_steps(trainer) == self._step:
             return  # still accumulating micro-batches of this optimizer step
         now = time.perf_counter()
         dt = max(now - self._t, 1e-9)
-        steps = trainer.global_step - self._step
+        steps = training_steps(trainer) - self._step
         self.train_seconds_now += dt
         self.samples_now += steps * self._global_batch
         ledger = _ledger(trainer)
