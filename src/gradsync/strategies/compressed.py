@@ -34,6 +34,7 @@ from gradsync.comm.hierarchical import INTER, NodeReducer
 from gradsync.comm.reducer import IdentityReducer, Reducer
 from gradsync.errors import check
 from gradsync.strategies.base import GradsyncStrategy
+from gradsync.strategies.local_clip import LocalClipState, local_clip_hook
 
 Codec = Literal["identity", "fp16", "bf16", "int8", "int4", "sign", "topk", "powersgd", "sparseloco"]
 
@@ -153,6 +154,7 @@ class CompressedStrategy(GradsyncStrategy):
         self._step_momentum: Optional[dict] = None  # the optimizer's settings, frozen during its step
         self._warned: set = set()
         self._adam_stepping = False
+        self._local_clip: Optional[LocalClipState] = None  # gradient clipping before compression
 
     @property
     def corrects_momentum(self) -> bool:
@@ -169,6 +171,15 @@ class CompressedStrategy(GradsyncStrategy):
         reducer, warmup = self._build_reducers()
         self._hook_state = ReducerHookState(reducer=reducer, warmup=warmup, warmup_steps=self.warmup_steps,
                                             ).bind(self.lightning_module.named_parameters())
+        trainer = self.lightning_module.trainer
+        clip_val = getattr(trainer, "gradient_clip_val", None) if trainer is not None else None
+        if self.corrects_momentum and clip_val:
+            # What arrives is a mean velocity / Adam direction, not a gradient: clip each rank's gradient
+            # before the codec forms it (DGC's local clipping), and keep Lightning from clipping the result.
+            algorithm = getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm) or "norm"
+            self._local_clip = LocalClipState(self._hook_state, reducer_hook, float(clip_val), algorithm,
+                                              grad_scale=self._local_gradient_scale)
+            return self._local_clip, local_clip_hook
         return self._hook_state, reducer_hook
 
     def _build_reducers(self) -> tuple[Reducer, Reducer]:
@@ -197,11 +208,6 @@ class CompressedStrategy(GradsyncStrategy):
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
         self._choose_powersgd_rank(trainer.optimizers)
-        if self.corrects_momentum and getattr(trainer, "gradient_clip_val", None):
-            self._warn_once("clip", "compressed: with momentum correction, gradient clipping "
-                            f"(gradient_clip_val={trainer.gradient_clip_val}) clips the averaged velocity the "
-                            f"codec delivered, not each rank's gradient; set --strategy.momentum_correction false "
-                            f"to clip gradients")
 
     def _choose_powersgd_rank(self, optimizers: list) -> None:
         """PowerSGD without a given rank: 8 under Adam/AdamW, else 4. The optimizers exist only after
@@ -318,6 +324,18 @@ class CompressedStrategy(GradsyncStrategy):
         if not self.corrects_momentum:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         trainer = self.lightning_module.trainer
+        if self._local_clip is None:
+            return self._corrected_step(trainer, optimizer, closure, model, **kwargs)
+        # each rank's gradient was clipped before compression (local_clip_hook): Lightning must not
+        # clip again what arrives (a mean velocity or Adam direction)
+        clip_val, trainer.gradient_clip_val = trainer.gradient_clip_val, None
+        try:
+            return self._corrected_step(trainer, optimizer, closure, model, **kwargs)
+        finally:
+            trainer.gradient_clip_val = clip_val
+
+    def _corrected_step(self, trainer: Any, optimizer: Any, closure: Callable[[], Any], model: Any,
+                        **kwargs: Any) -> Any:
         self._step_momentum, groups = self._read_momentum(list(trainer.optimizers) or [optimizer])
         names = {id(p): name for name, p in self.lightning_module.named_parameters()}
         if isinstance(optimizer, ADAM_OPTIMIZERS) and any(
