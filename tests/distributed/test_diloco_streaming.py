@@ -44,18 +44,22 @@ def masks(module) -> list[torch.Tensor]:
 
 
 class Trace(DiLoCoStrategy):
-    """Records, per rank, each issue (fragment, step, local point) and each landing (step, local point)."""
+    """Records, per rank, each issue (fragment, step, kind, local point, wire bytes so far) and each
+    landing (step, local point), then the local and global points after it."""
 
-    def _issue(self, k, s, kind="round"):
-        self.trace = getattr(self, "trace", []) + [("issue", k, s, kind, flat(self._layout().params),
-                                                    self.ledger.wire_bytes)]
-        super()._issue(k, s, kind)
+    def on_train_start(self):
+        super().on_train_start()
+        self.trace = []
+        self.algorithm.listeners.append(self._record)
 
-    def _land(self, s, blend=True):
-        k = self._flight.fragment
-        self.trace = getattr(self, "trace", []) + [("land", k, s, blend, flat(self._layout().params))]
-        super()._land(s, blend)
-        self.trace.append(("after", k, s, flat(self._layout().params), flat(self.global_params)))
+    def _record(self, event, f):
+        params = self.algorithm.layout.params
+        if event == "issue":
+            self.trace.append(("issue", f["fragment"], f["step"], f["kind"], flat(params), self.ledger.wire_bytes))
+        elif event == "land":
+            self.trace.append(("land", f["fragment"], f["step"], f["blend"], flat(params)))
+        elif event == "landed":
+            self.trace.append(("after", f["fragment"], f["step"], flat(params), flat(self.global_params)))
 
     def algorithm_state_dict(self):
         return {**super().algorithm_state_dict(), "trace": getattr(self, "trace", [])}
@@ -101,8 +105,8 @@ def without_codec(cls):
     class WithoutCodec(cls):
         @property
         def reducer(self):
-            self._reducer_cache = self._reducer_cache or PlainAllReduce(self.world_size)
-            return self._reducer_cache
+            self._round_reducer = self._round_reducer or PlainAllReduce(self.world_size)
+            return self._round_reducer
 
     return WithoutCodec
 

@@ -39,7 +39,7 @@ class RecordHashes(Callback):
         final = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
         s = trainer.strategy
         torch.save({"rows": self.rows, "final": final, "ledger": s.ledger.summary(),
-                    "in_flight": getattr(s, "_in_flight", None)}, self.out / f"hashes{trainer.global_rank}.pt")
+                    "in_flight": s.algorithm.in_flight is not None}, self.out / f"hashes{trainer.global_rank}.pt")
 
 
 def test_local_sgd_period_1_equals_sync(tmp_path):
@@ -86,7 +86,7 @@ class AtTrainEnd(Callback):
     def on_train_end(self, trainer, pl_module):
         s = trainer.strategy
         torch.save({"params": {k: v.detach().clone() for k, v in pl_module.state_dict().items()},
-                    "in_flight": s._flight is not None}, self.out / f"train_end{trainer.global_rank}.pt")
+                    "in_flight": s.algorithm.in_flight is not None}, self.out / f"train_end{trainer.global_rank}.pt")
 
 
 @pytest.mark.parametrize("make", [
@@ -105,13 +105,19 @@ def test_callbacks_see_the_model_after_the_final_round(tmp_path, make):
         assert max_abs_diff(r["params"], s["params"]) == 0.0  # what the callback saw is what fit returns
 
 
-class CaptureRounds(DiLoCoStrategy):
-    """Records every rank's flat parameters just before each round."""
+def flat(tensors) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in tensors]).clone()
 
-    def _issue(self, k, s, kind="round"):
-        flat = torch.cat([p.detach().reshape(-1) for p in self._layout().params]).clone()
-        self.captured = getattr(self, "captured", []) + [flat]
-        super()._issue(k, s, kind)
+
+class CaptureRounds(DiLoCoStrategy):
+    """Records every rank's flat parameters just before each round (the algorithm's ``issue`` event)."""
+
+    def on_train_start(self):
+        super().on_train_start()
+        self.captured = []
+        self.algorithm.listeners.append(
+            lambda event, f: self.captured.append(flat(f["values"])) if event == "issue" and f["kind"] == "round"
+            else None)
 
     def algorithm_state_dict(self):
         return {**super().algorithm_state_dict(), "captured": getattr(self, "captured", [])}
@@ -152,17 +158,20 @@ class CaptureLocalRounds(LocalSGDStrategy):
     """Records each round of a lossy-codec local SGD run: the point each rank had, the last common
     point, what it sent, the mean the reducer returned and the new common point."""
 
-    def _payload(self, indices, values):
-        sent = super()._payload(indices, values)
-        self.rounds = getattr(self, "rounds", []) + [{
-            "x": [v.clone() for v in values], "last": [self.last_common[i].clone() for i in indices],
-            "sent": [t.clone() for t in sent], "names": [self._layout().names[i] for i in indices]}]
-        return sent
+    def on_train_start(self):
+        super().on_train_start()
+        self.rounds = []
+        self.algorithm.listeners.append(self._record)
 
-    def _consensus(self, indices, means):
-        common = super()._consensus(indices, means)
-        self.rounds[-1].update(mean=[m.clone() for m in means], common=[c.clone() for c in common])
-        return common
+    def _record(self, event, f):
+        if event == "issue":
+            indices = self.algorithm.layout.fragments[f["fragment"]]
+            self.rounds.append({
+                "x": [v.clone() for v in f["values"]], "sent": [t.clone() for t in f["payload"]],
+                "last": [self.last_common[i].clone() for i in indices],
+                "names": [self.algorithm.layout.names[i] for i in indices]})
+        elif event == "consensus":
+            self.rounds[-1].update(mean=[m.clone() for m in f["means"]], common=[c.clone() for c in f["common"]])
 
     def algorithm_state_dict(self):
         return {**super().algorithm_state_dict(), "rounds": getattr(self, "rounds", [])}
@@ -224,11 +233,12 @@ def test_local_sgd_lossy_codec_two_rank_two_rounds_by_hand(tmp_path, codec):
 class CaptureOverlap(LocalSGDStrategy):
     """Records this rank's flat parameters just before and just after each overlapped round."""
 
-    def _overlap_round(self, s):
-        flat = lambda: torch.cat([p.detach().reshape(-1) for p in self._layout().params]).clone()  # noqa: E731
-        before = flat()
-        super()._overlap_round(s)
-        self.captured = getattr(self, "captured", []) + [(s, before, flat())]
+    def on_train_start(self):
+        super().on_train_start()
+        self.captured = []
+        self.algorithm.listeners.append(
+            lambda event, f: self.captured.append((f["step"], flat(f["before"]), flat(f["after"])))
+            if event == "overlap" else None)
 
     def algorithm_state_dict(self):
         return {**super().algorithm_state_dict(), "captured": getattr(self, "captured", [])}
@@ -280,7 +290,7 @@ def test_overlap_runs_collective_behind_local_steps(tmp_path, cls):
     # ... but after the final flush and one blocking round they do, with nothing left in flight
     assert max_abs_diff(h0["final"], h1["final"]) == 0.0
     for h in (h0, h1):
-        assert h["in_flight"] is None and h["ledger"]["wire_bytes"] == 5 * one_round
+        assert not h["in_flight"] and h["ledger"]["wire_bytes"] == 5 * one_round
 
 
 class SaveAt(Callback):
@@ -290,7 +300,7 @@ class SaveAt(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.step:
             trainer.save_checkpoint(self.path)
-            flight = trainer.strategy._flight
+            flight = trainer.strategy.algorithm.in_flight
             # a fragment may wait for its turn to be applied, but its collective has finished
             assert flight is None or flight.future is None, "a checkpoint left a collective in flight"
 

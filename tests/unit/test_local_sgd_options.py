@@ -63,7 +63,8 @@ def test_reshard_keeps_shared_state_averages_local_and_warns():
 
 def test_reshard_keeps_an_agreed_fragment_in_flight():
     pending = {"fragment": 1, "issued_at": 10, "means": [torch.ones(3)]}
-    parts = [_part(r, global_params=[torch.zeros(3)], outer_optimizer=None, pending=pending,
+    outer = {"state": {}, "param_groups": []}
+    parts = [_part(r, global_params=[torch.zeros(3)], outer_optimizer=outer, pending=pending,
                    reducer={"residuals": {"w": torch.ones(3)}}) for r in (0, 1)]
     with pytest.warns(UserWarning) as caught:
         state = DiLoCoStrategy(period=4, fragments=2, sync_delay=1).reshard_algorithm_state(parts, 2)

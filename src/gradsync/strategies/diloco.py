@@ -40,24 +40,16 @@ from typing import Any, Optional
 
 import torch
 
+from gradsync.algorithms import OuterStep
+from gradsync.algorithms.diloco import default_momentum_warmup, momentum_at
 from gradsync.errors import check
 from gradsync.strategies.periodic import PeriodicAveragingStrategy
-
-#: Models above this many bytes keep DiLoCo's global state on the host by default (on CUDA).
-OFFLOAD_BYTES = 1 << 30
-#: Inner steps the default outer-momentum warm-up spans: ceil(this / period) outer steps.
-MOMENTUM_WARMUP_INNER_STEPS = 400
-#: The warm-up's floor: the outer momentum never starts below this (or below ``outer_momentum``,
-#: if that is lower). A ramp from 0 left AdamW runs of a few dozen outer steps without the momentum
-#: that makes DiLoCo fast (chargpt, 20 outer steps: 2.18 val_loss vs 2.16 at a constant 0.5).
-MOMENTUM_WARMUP_START = 0.5
 
 
 class DiLoCoStrategy(PeriodicAveragingStrategy):
     """DiLoCo: local inner steps, outer Nesterov SGD on the averaged pseudo-gradient every `period` steps."""
 
     strategy_name = "diloco"
-    replicated_state = ("num_steps", "global_params", "outer_optimizer", "outer_steps")
 
     def __init__(
         self,
@@ -115,85 +107,26 @@ class DiLoCoStrategy(PeriodicAveragingStrategy):
         self.outer_lr = float(outer_lr)
         self.outer_momentum = float(outer_momentum)
         self.outer_momentum_warmup = outer_momentum_warmup
+        self.offload = offload
         super().__init__(period=period, warmup_steps=warmup_steps, average_buffers=average_buffers,
                          overlap=overlap, **kwargs)
-        self.fragments, self.sync_delay, self.fragment_alpha = fragments, sync_delay, float(fragment_alpha)
-        self._check_streaming()
-        self.offload = offload
-        self.global_params: Optional[list[torch.Tensor]] = None
-        self.outer_steps = [0] * self.fragments  # outer steps taken, per fragment
-        self.outer_optimizer: Optional[torch.optim.SGD] = None
+        self._configure_streaming(fragments, sync_delay, fragment_alpha)
 
-    # ---- the global copy ----------------------------------------------------------------------
-    def global_device(self) -> torch.device:
-        """Where the global parameters and outer momentum live."""
-        offload = self.offload
-        if offload is None:
-            numel_bytes = sum(p.numel() * p.element_size() for p in self._layout().params)
-            offload = self.root_device.type == "cuda" and numel_bytes > OFFLOAD_BYTES
-        return torch.device("cpu") if offload else self.root_device
-
-    def _set_global(self, params: list[torch.Tensor]) -> None:
-        device = self.global_device()
-        self.global_params = [p.detach().to(device).clone() for p in params]
-        self.outer_optimizer = torch.optim.SGD(self.global_params, lr=self.outer_lr,
-                                               momentum=self.outer_momentum, nesterov=self.outer_momentum > 0)
+    def build_payload(self) -> OuterStep:
+        w = self.outer_momentum_warmup
+        return OuterStep(outer_lr=self.outer_lr, outer_momentum=self.outer_momentum,
+                         momentum_warmup=default_momentum_warmup(self.period) if w is None else w,
+                         fragments=self.fragments, offload=self.offload)
 
     def momentum_at(self, t: int) -> float:
         """The outer momentum of a fragment's ``t``-th outer step (1-based)."""
-        w = self.outer_momentum_warmup
-        if w is None:
-            w = -(-MOMENTUM_WARMUP_INNER_STEPS // self.period)
-        if w == 0:
-            return self.outer_momentum
-        return max(min(self.outer_momentum, MOMENTUM_WARMUP_START), self.outer_momentum * min(1.0, t / w))
+        return momentum_at(t, self.outer_momentum, self.payload.momentum_warmup)
 
-    def _begin_local_phase(self) -> None:
-        if self.global_params is None:
-            self._set_global(self._layout().params)
+    @property
+    def global_params(self) -> Optional[list[torch.Tensor]]:
+        """The global parameters θ (None before the first local step)."""
+        return self.payload.global_params
 
-    # ---- rounds ---------------------------------------------------------------------------------
-    def _payload(self, indices: list[int], values: list[torch.Tensor]) -> list[torch.Tensor]:
-        assert self.global_params is not None
-        return [self.global_params[i].to(v.device, non_blocking=True) - v for i, v in zip(indices, values)]
-
-    @torch.no_grad()
-    def _consensus(self, indices: list[int], means: list[torch.Tensor]) -> list[torch.Tensor]:
-        assert self.global_params is not None and self.outer_optimizer is not None
-        for i, pseudo_grad in zip(indices, means):
-            g = self.global_params[i]
-            g.grad = pseudo_grad.to(g.device, g.dtype)
-        k = self._layout().fragments.index(indices)
-        self.outer_steps[k] += 1
-        for group in self.outer_optimizer.param_groups:
-            group["momentum"] = self.momentum_at(self.outer_steps[k])
-        self.outer_optimizer.step()  # steps only the parameters that have a gradient: this fragment's
-        for i in indices:
-            self.global_params[i].grad = None
-        return [self.global_params[i] for i in indices]
-
-    # ---- algorithm state -------------------------------------------------------------------------
-    def algorithm_state_dict(self) -> dict:
-        state = super().algorithm_state_dict()
-        state["outer_steps"] = list(self.outer_steps)
-        state["global_params"] = self.global_params
-        state["outer_optimizer"] = self.outer_optimizer.state_dict() if self.outer_optimizer is not None else None
-        return state
-
-    def load_algorithm_state_dict(self, state: dict) -> None:
-        super().load_algorithm_state_dict(state)
-        if state.get("outer_steps") is not None and len(state["outer_steps"]) == self.fragments:
-            self.outer_steps = [int(t) for t in state["outer_steps"]]
-        saved = state.get("global_params")
-        if saved is None:
-            return
-        expected = [p.numel() for p in self._layout().params]
-        if [t.numel() for t in saved] != expected:
-            raise ValueError(f"diloco: the checkpoint's global parameters have {len(saved)} tensors, "
-                             f"this model has {len(expected)} of other sizes; resume with the same model")
-        self._set_global(saved)
-        if state.get("outer_optimizer") is not None:
-            self.outer_optimizer.load_state_dict(state["outer_optimizer"])
-            # the momentum buffer is state; the learning rate and momentum are this run's options
-            for group in self.outer_optimizer.param_groups:
-                group.update(lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.outer_momentum > 0)
+    @property
+    def outer_optimizer(self) -> Optional[torch.optim.SGD]:
+        return self.payload.outer_optimizer
