@@ -176,10 +176,11 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
                 None, self.payload, self.schedule, reducer=lambda: self.reducer, ledger=self.ledger,
                 overlap=self.overlap, fragment_alpha=self.fragment_alpha, average_buffers=self.average_buffers)
         algorithm = self._algorithm
+        # the module is known once the trainer connects it, gradsync's groups once they are set up
         if algorithm.module is None and self.lightning_module is not None:
-            # the module, groups and scope are known once the trainer has set up
-            algorithm.module, algorithm.buffer_group, algorithm.scope = (
-                self.lightning_module, self.comm_group, self.round_scope())
+            algorithm.module = self.lightning_module
+        if self.topology is not None and algorithm.buffer_group is None:
+            algorithm.buffer_group, algorithm.scope = self.comm_group, self.round_scope()
         return algorithm
 
     @property
