@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from gradsync.errors import GradsyncError, check
+from gradsync.errors import GradsyncError, check, spell
 from gradsync.strategies.base import GradsyncStrategy
 from gradsync.strategies.ledger import fp32_allreduce_bytes
 from gradsync.strategies.ps_server import PSClient, ServerError, ServerThread, ShardState, split_shards
@@ -98,9 +98,9 @@ class AsyncPSStrategy(GradsyncStrategy):
         """
         check(isinstance(max_staleness, int) and not isinstance(max_staleness, bool) and max_staleness >= 0,
               "max_staleness", max_staleness, "must be an integer >= 0",
-              "0 is synchronous; e.g. --strategy.max_staleness 4")
+              f"0 is synchronous; e.g. {spell('max_staleness', 4)}")
         check(isinstance(num_servers, int) and not isinstance(num_servers, bool) and num_servers >= 1,
-              "num_servers", num_servers, "must be an integer >= 1", "e.g. --strategy.num_servers 2")
+              "num_servers", num_servers, "must be an integer >= 1", f"e.g. {spell('num_servers', 2)}")
         check(staleness_scaling in ("none", "inverse"), "staleness_scaling", staleness_scaling,
               "must be one of none, inverse")
         self.max_staleness = max_staleness
@@ -126,7 +126,7 @@ class AsyncPSStrategy(GradsyncStrategy):
 
     def check_world_size(self, world_size: int) -> None:
         check(self.num_servers <= world_size, "num_servers", self.num_servers,
-              f"must be <= the number of processes ({world_size})", f"use --strategy.num_servers {world_size} or fewer")
+              f"must be <= the number of processes ({world_size})", f"use {spell('num_servers', world_size)} or fewer")
 
     # ---- start and stop the servers --------------------------------------------------------------
     def setup(self, trainer: Any) -> None:
@@ -249,7 +249,7 @@ class AsyncPSStrategy(GradsyncStrategy):
                 step = self.lightning_module.trainer.global_step
                 if self.nonfinite_grads == "stop":
                     raise GradsyncError(f"non-finite gradient (NaN/Inf) at optimizer step {step} on rank "
-                                        f"{self.global_rank}; stopping (--strategy.nonfinite_grads skip would drop it)")
+                                        f"{self.global_rank}; stopping ({spell('nonfinite_grads', 'skip')} would drop it)")
                 skip = True
                 self.skipped_steps.append(step)
             t0 = time.perf_counter()

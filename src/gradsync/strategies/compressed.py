@@ -32,7 +32,7 @@ from gradsync.comm.ddp import ReducerHookState, reducer_hook
 from gradsync.comm.error_feedback import AdamMoments, MomentumCorrection, SGDMomentum
 from gradsync.comm.hierarchical import INTER, NodeReducer
 from gradsync.comm.reducer import IdentityReducer, Reducer
-from gradsync.errors import check
+from gradsync.errors import check, spell
 from gradsync.strategies.base import GradsyncStrategy
 from gradsync.strategies.local_clip import LocalClipState, local_clip_hook
 
@@ -122,10 +122,10 @@ class CompressedStrategy(GradsyncStrategy):
                                     "sparse_k": sparse_k, "value_bits": value_bits, "error_decay": error_decay})
         check(error_feedback or codec in FEEDBACK_CODECS, "error_feedback", error_feedback,
               f"is not used by codec {codec} (only by {', '.join(FEEDBACK_CODECS)})",
-              f"drop --strategy.error_feedback or choose --strategy.codec {FEEDBACK_CODECS[0]}")
+              f"drop {spell('error_feedback')} or choose {spell('codec', FEEDBACK_CODECS[0])}")
         check(momentum_correction or codec in MOMENTUM_CODECS, "momentum_correction", momentum_correction,
               f"is not used by codec {codec} (only by {', '.join(MOMENTUM_CODECS)})",
-              f"drop --strategy.momentum_correction or choose --strategy.codec {MOMENTUM_CODECS[0]}")
+              f"drop {spell('momentum_correction')} or choose {spell('codec', MOMENTUM_CODECS[0])}")
         has_memory = codec == "powersgd" and (error_feedback or warm_start)
         if warmup_steps is None:
             warmup_steps = POWERSGD_MIN_WARMUP if has_memory else 0
@@ -134,8 +134,8 @@ class CompressedStrategy(GradsyncStrategy):
         check(not has_memory or warmup_steps >= POWERSGD_MIN_WARMUP, "warmup_steps", warmup_steps,
               "powersgd with error feedback or warm start must start after step 1 (torch's "
               "start_powerSGD_iter > 1 rule: the first steps run while DDP settles its buckets)",
-              f"set --strategy.warmup_steps {POWERSGD_MIN_WARMUP} or more, or --strategy.error_feedback false "
-              "--strategy.warm_start false")
+              f"set {spell('warmup_steps', POWERSGD_MIN_WARMUP)} or more, or {spell('error_feedback', False)} "
+              f"{spell('warm_start', False)}")
         super().__init__(**kwargs)
         self._set_scope(scope, procs_per_node)
         self.codec = codec
@@ -245,7 +245,7 @@ class CompressedStrategy(GradsyncStrategy):
             if not isinstance(opt, torch.optim.SGD):
                 self._warn_once(type(opt).__name__,
                                 f"compressed: momentum correction applies to torch.optim.SGD, Adam and AdamW; "
-                                f"{type(opt).__name__} is sent plain gradients (--strategy.momentum_correction false "
+                                f"{type(opt).__name__} is sent plain gradients ({spell('momentum_correction', False)} "
                                 f"silences this)")
                 continue
             for group in opt.param_groups:
