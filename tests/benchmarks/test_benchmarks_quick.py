@@ -78,10 +78,12 @@ def test_lowcomm(tmp_path):
     rows = {r[0]: dict(zip(data["columns"], r)) for r in data["rows"]}
     assert list(rows) == ["sync", "diloco H=100 int8"]  # (H=4 in the quick run)
     diloco, sync = rows["diloco H=100 int8"], rows["sync"]
-    # 8 steps: two rounds of int8 pseudo-gradients against 8 fp32 all-reduces, ~4 x 3.97 fewer bytes
+    # 16 steps: four rounds of int8 pseudo-gradients against 16 fp32 all-reduces, ~4 x 3.97 fewer bytes
     assert diloco["bytes / step vs sync"] == pytest.approx(4 * 3.97, rel=0.05)
     assert sync["peak KB / sync"] > 3.9 * diloco["peak KB / sync"]
-    assert all(0 < r["utilization"] for r in rows.values())  # timings are noise here; the full run compares
+    # a fraction: the reference is the same 2-node job with no communication, timed the same way
+    assert all(0 < r["utilization"] <= 1 for r in rows.values()), rows
+    assert sync["utilization"] < diloco["utilization"]
 
 
 def test_nodes(tmp_path):
