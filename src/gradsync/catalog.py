@@ -26,6 +26,9 @@ RECIPES: dict[str, tuple[str, str, str]] = {
                   "An MLP of a chosen parameter count on generated data, for communication benchmarks."),
     "cifar10": ("gradsync.recipes.cifar10.Cifar10ResNet", "gradsync.recipes.cifar10.Cifar10Data",
                 "ResNet-18 on CIFAR-10 from the python-pickle files (~94% test accuracy with a full schedule)."),
+    "hf_causal_lm": ("gradsync.recipes.hf_causal_lm.HFCausalLM", "gradsync.recipes.hf_causal_lm.TextData",
+                     "Any Hugging Face transformers causal LM from a config (GPT-2, Llama, ...), on text as bytes "
+                     "(needs gradsync[hf])."),
 }
 
 #: strategy name -> (class path, one-line description)

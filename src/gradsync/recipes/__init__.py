@@ -11,6 +11,7 @@ from gradsync.recipes.base import ClassifierRecipe, Recipe, RecipeData
 from gradsync.recipes.chargpt import CharData, CharGPT
 from gradsync.recipes.cifar10 import Cifar10Data, Cifar10ResNet
 from gradsync.recipes.digits import DigitsClassifier, DigitsData
+from gradsync.recipes.hf_causal_lm import HFCausalLM, TextData  # (transformers is imported when one is built)
 from gradsync.recipes.synthetic import SyntheticData, SyntheticModel
 
 
@@ -32,7 +33,8 @@ RECIPES: dict[str, RecipeEntry] = {
     "chargpt": RecipeEntry(CharGPT, CharData),
     "synthetic": RecipeEntry(SyntheticModel, SyntheticData),
     "cifar10": RecipeEntry(Cifar10ResNet, Cifar10Data),
+    "hf_causal_lm": RecipeEntry(HFCausalLM, TextData),
 }
 
 __all__ = ["RECIPES", "ClassifierRecipe", "Recipe", "RecipeData", "RecipeEntry", "DigitsClassifier", "DigitsData", "CharGPT", "CharData",
-           "SyntheticModel", "SyntheticData", "Cifar10ResNet", "Cifar10Data"]
+           "SyntheticModel", "SyntheticData", "Cifar10ResNet", "Cifar10Data", "HFCausalLM", "TextData"]
