@@ -88,6 +88,9 @@ def test_trainer_flags_from_a_config_file(tmp_path):
     (["--precision", "bf17"], "precision"),
     (["--gradient-clip-vall", "1"], "did you mean --gradient-clip-val"),
     (["--val-every", "5", "--val-check-interval", "3"], "--val-every 5 and --val-check-interval 3"),
+    # refused by L.Trainer itself, before any process is launched
+    (["--gradient-clip-algorithm", "foo"], "--gradient-clip-algorithm foo: `gradient_clip_algorithm` foo is invalid"),
+    (["--max-time", "abc"], "--max-time abc: `Timer(duration='abc')` is not a valid duration"),
     (["--accumulate-grad-batches", "3", "--global-batch-size", "64", "--batch-size", "32"],
      "--accumulate-grad-batches 3 disagrees with --global-batch-size 64"),
 ])

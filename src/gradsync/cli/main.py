@@ -459,6 +459,7 @@ def validate_spec(spec) -> None:
             raise UsageError(f"{flag} {exc.value}: {exc.rule}" + (f" ({exc.fix})" if exc.fix else "")) from None
         except (TypeError, ValueError) as exc:
             raise UsageError(f"--{component}: {_one_line(exc)}") from None
+    _check_trainer_options(spec)
     if spec.output_dir is not None and spec.command == "fit":
         try:
             spec.output_dir.mkdir(parents=True, exist_ok=True)
@@ -467,6 +468,32 @@ def validate_spec(spec) -> None:
                              "choose a writable directory") from None
     ckpt = resolve_checkpoint_to_resume(spec)
     resolve_accumulation(spec, ckpt, spec.micro_batch_size)
+
+
+def _check_trainer_options(spec) -> None:
+    """The Trainer flags as L.Trainer checks them (one process, no strategy): a value it refuses
+    fails here in one line, not in every launched worker."""
+    import logging
+
+    from gradsync.platform.trainer_args import defaults, instantiate
+
+    given = {k: v for k, v in spec.trainer_options.items()
+             if v is not None and k not in ("accumulate_grad_batches", "enable_checkpointing")}
+    changed = [k for k, v in given.items() if v != defaults().get(k)]
+    if not changed:
+        return
+    import lightning as L
+
+    quiet = logging.getLogger("lightning.pytorch")
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)  # (its device lines are for the run itself)
+    try:
+        L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, **instantiate(given))
+    except Exception as exc:  # Lightning's MisconfigurationException, ValueError, TypeError ...
+        flag = next((k for k in changed if k in str(exc)), changed[0])
+        raise UsageError(f"--{flag.replace('_', '-')} {given[flag]}: {_one_line(exc)}") from None
+    finally:
+        quiet.setLevel(level)
 
 
 # ---- commands -------------------------------------------------------------------------------

@@ -88,6 +88,17 @@ def add_trainer_arguments(parser: Any) -> list[str]:
     return list(added)
 
 
+def defaults() -> dict:
+    """Each Trainer flag's default: Lightning's, or gradsync's (:data:`GRADSYNC_DEFAULTS`, :data:`DERIVED`)."""
+    import inspect
+
+    import lightning as L
+
+    out = {n: p.default for n, p in inspect.signature(L.Trainer.__init__).parameters.items()
+           if n != "self" and n not in OWNED}
+    return {**out, **GRADSYNC_DEFAULTS, **{name: None for name in DERIVED}}
+
+
 def bool_flags() -> set[str]:
     """Trainer arguments typed ``bool`` (or ``Optional[bool]``): ``--sync-batchnorm`` alone means
     ``--sync-batchnorm true``."""
