@@ -44,6 +44,7 @@ from typing import ClassVar, Hashable, Optional, Union
 
 import torch
 
+from gradsync.comm.codecs import fused
 from gradsync.comm.codecs.common import RoundingNoise, flatten_into, rounding_noise, shard_length, unflatten
 from gradsync.comm.futures import Reduction
 from gradsync.comm.reducer import Reducer
@@ -105,6 +106,9 @@ def encode_codes(x: torch.Tensor, chunk_size: int, levels: int, noise: RoundingN
     w = work.view(-1)[: x.numel()].view(rows, length)
     for (xv, chunks), (wv, _), (cv, _) in zip(_chunk_views(x, chunk_size), _chunk_views(w, chunk_size),
                                               _chunk_views(codes, chunk_size)):
+        if fused.wanted(xv.numel()):  # one pass, the same bytes (see comm/codecs/fused.py)
+            cv.copy_(fused.round_codes(xv, inv[:, chunks], a[:, chunks], b[: xv.shape[2]]))
+            continue
         torch.bitwise_xor(a[:, chunks].unsqueeze(2), b[: wv.shape[2]], out=wv.view(torch.int32))
         torch.addcmul(wv, xv, inv[:, chunks].unsqueeze(2), out=wv)
         cv.copy_(wv)  # truncation == floor: every entry is >= 1
