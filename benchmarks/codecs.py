@@ -10,7 +10,9 @@ buffers allocated once, as the copy writes into a preallocated tensor: encode is
 to its input before the first hop (cast and divide by N = 2; quantize with scales, noise and
 packing), decode turns one message back into float32. The other codecs call their modules'
 compress/decompress functions (sign and topk decode into a buffer allocated once, sign encodes with
-a reused scratch).
+a reused scratch; sparseloco packs one message and adds it, decoded, into a zeroed buffer). At
+4M+ entries int8 and int4 round through their compiled kernel (``GRADSYNC_COMPILED_CODECS=0`` for
+the eager one).
 
 Timing is side by side: each repeat times the copy and then every codec once, so a machine that
 slows down (shared cores) slows both; the fraction of copy is the median of the per-repeat ratios.
@@ -30,17 +32,21 @@ import torch
 from benchmarks.common import Report, command_line
 from gradsync.comm.codecs.cast import Bf16Reducer, CastReducer, Fp16Reducer
 from gradsync.comm.codecs.int8 import Int4Reducer, Int8Reducer, QuantizedReducer
+from gradsync.comm.codecs import sparse
 from gradsync.strategies.codecs import powersgd, sign, topk
 
 CHUNK = 2048      # entries per scale for int8, int4 and sign (the reducers default to 512)
 FRACTION = 0.01   # topk
 RANK = 4          # powersgd
+SPARSE = (4096, 64, 2)  # sparseloco: chunk, k per chunk, value bits (its defaults)
 WORLD = 2         # the N the cast codecs divide by
 NOTE_ONLY = ("int4",)
 #: Encode + decode passes over the whole vector per reduction: one for a cast (or top-k, PowerSGD)
 #: and about two for the two-hop codecs (hop 1 encodes n and decodes n entries, hop 2 encodes n / N
 #: and decodes n). The break-even formula of docs/choosing.md charges them to the critical path.
-PASSES = {"fp16": 1, "bf16": 1, "int8": 2, "int4": 2, "sign": 2, "topk": 1, "powersgd": 1}
+PASSES = {"fp16": 1, "bf16": 1, "int8": 2, "int4": 2, "sign": 2, "topk": 1, "powersgd": 1, "sparseloco": 1}
+#: Codecs that all-gather every rank's message: their ratio against an all-reduce falls as 2 / N.
+GATHERED = ("topk", "sparseloco")
 
 
 def break_even_gbps(codec_gbps: float, ratio: float, passes: int, world: int) -> float:
@@ -54,7 +60,7 @@ def break_even_gbps(codec_gbps: float, ratio: float, passes: int, world: int) ->
 def wire_ratio(codec: str, message_ratio: float, world: int) -> float:
     """fp32 all-reduce bytes / the codec's bytes on ``world`` ranks. Top-k all-gathers every rank's
     part, so its ratio is 1 / (N fraction): the message ratio at 2 ranks, falling with N."""
-    return message_ratio * 2 / world if codec == "topk" else message_ratio
+    return message_ratio * 2 / world if codec in GATHERED else message_ratio
 
 
 LARGE_WORLD = 16
@@ -96,6 +102,16 @@ def _topk(x: torch.Tensor, k: int) -> Callable[[], object]:
     return lambda: topk.decompress(*topk.compress(x, k), x.numel(), out=out)
 
 
+def _sparse(x: torch.Tensor) -> Callable[[], object]:
+    chunk, k, bits = SPARSE
+    out = torch.empty(-(-x.numel() // chunk) * chunk, device=x.device)
+
+    def run():
+        positions, values = sparse.decode(sparse.encode(x, chunk, k, bits), x.numel(), chunk, k, bits)
+        return out.zero_().index_add_(0, positions, values)
+    return run
+
+
 def codec_kernels(x: torch.Tensor) -> dict[str, tuple[Callable[[], object], Callable[[int], int]]]:
     """name -> (encode+decode of ``x``, wire bytes for n fp32 entries)."""
     k = topk.num_kept(x.numel(), FRACTION)
@@ -107,6 +123,7 @@ def codec_kernels(x: torch.Tensor) -> dict[str, tuple[Callable[[], object], Call
         "sign": (_sign(x), lambda n: sign.message_bytes(n, CHUNK)),
         "topk": (_topk(x, k), lambda n: 8 * topk.num_kept(n, FRACTION)),
         "powersgd": (lambda: _powersgd(x, RANK), lambda n: 4 * 2 * RANK * int(math.sqrt(n))),
+        "sparseloco": (_sparse(x), lambda n: sparse.message_bytes(n, *SPARSE)),
     }
 
 
@@ -173,7 +190,8 @@ def run(out: Path, quick: bool = False, device: Optional[str] = None) -> Report:
                      f"{repeats} side-by-side rounds, medians; fraction of copy = median of the per-round ratios.")
     rep.notes.append(f"fp16/bf16/int8/int4: the reducers' encode (cast and divide by N={WORLD}; quantize, scales, noise, "
                      "packing) and decode, into buffers allocated once; sign, topk, powersgd: their compress/decompress "
-                     f"functions (sign's scratch and both decoded outputs allocated once). Chunk {CHUNK} entries, topk {FRACTION:.0%}, powersgd rank {RANK}.")
+                     f"functions (sign's scratch and both decoded outputs allocated once). Chunk {CHUNK} entries, topk {FRACTION:.0%}, powersgd rank {RANK}, "
+                     f"sparseloco {SPARSE[1]} of every {SPARSE[0]} entries in {SPARSE[2]} bits.")
     for name in NOTE_ONLY:
         _, gbps, fraction, ratio, two, many = figures[name]
         rep.notes.append(f"{name}: {gbps:.3g} GB/s, {fraction:.3g} of copy, compression ratio {ratio:.3g}, "
@@ -181,7 +199,7 @@ def run(out: Path, quick: bool = False, device: Optional[str] = None) -> Report:
     rep.notes.append("compression ratio: fp32 bytes / bytes of one rank's message (payload + scales + indices).")
     rep.notes.append("pays below: the all-reduce bus bandwidth (nccl-tests convention, as in the allreduce suite) under "
                      "which encode + decode costs less than the wire time it saves: 2(N-1)/N / passes x GB/s x "
-                     f"(1 - 1/ratio), passes {PASSES}; top-k's ratio at N ranks is 2/N of its message ratio; "
+                     f"(1 - 1/ratio), passes {PASSES}; topk's and sparseloco's ratio at N ranks is 2/N of the message ratio; "
                      "see docs/choosing.md.")
     rep.data = {"figures": figures, "numel": n, "device": dev.type, "threads": threads, "chunk_size": CHUNK, "repeats": repeats,
                 "seconds": times}
