@@ -35,7 +35,6 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 
-from gradsync.comm import CODEC_OPTIONS
 from gradsync.comm.ledger import CommLedger
 from gradsync.comm.topology import Topology, launcher_layout
 from gradsync.errors import GradsyncError, check, spell
@@ -560,9 +559,3 @@ def _to_cpu(obj: Any) -> Any:
         return type(obj)(_to_cpu(v) for v in obj)
     return obj
 
-
-# A strategy builds its reducer from an attribute per codec option. The sparse codec's options read
-# as their defaults on a strategy that takes a codec but not these options (a strategy written
-# against the earlier option set), so its rounds can still run ``sparseloco`` at its defaults.
-for _option in ("sparse_chunk_size", "sparse_k", "value_bits", "error_decay"):
-    setattr(GradsyncStrategy, _option, CODEC_OPTIONS[_option][0])
