@@ -91,17 +91,19 @@ def round_codes(x: torch.Tensor, inv: torch.Tensor, a: torch.Tensor, b: torch.Te
     if not wanted(x.numel()):
         return round_codes_eager(x, inv, a, b)
     kind = x.device.type
+    # One caller at a time: encodes run on the caller's thread and on gloo's callback threads, and a
+    # call that meets new shapes or strides recompiles.
     with _lock:
         if kind not in _kernels:
             _kernels[kind] = _build(x.device)
         kernel = _kernels[kind]
-    if kernel is None:
-        return round_codes_eager(x, inv, a, b)
-    try:
-        return kernel(x, inv, a, b)
-    except Exception as err:
-        with _lock:
-            _kernels[kind] = None
-        warnings.warn(f"gradsync: the compiled int8/int4 encoder failed ({type(err).__name__}: {err}); "
+        if kernel is not None:
+            try:
+                return kernel(x, inv, a, b)
+            except Exception as err:
+                _kernels[kind] = None
+                failure = err
+    if kernel is not None:
+        warnings.warn(f"gradsync: the compiled int8/int4 encoder failed ({type(failure).__name__}: {failure}); "
                       "using the eager encoder", stacklevel=2)
-        return round_codes_eager(x, inv, a, b)
+    return round_codes_eager(x, inv, a, b)
