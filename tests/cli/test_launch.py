@@ -146,4 +146,13 @@ def test_torchrun_output_shows_a_worker_user_error_once_and_drops_torchruns_repo
         out.feed(line)
     out.close()
     assert sink.getvalue() == "step 1\ngradsync: error: set --strategy.x true\n"
-    assert out.worker_error == "set --strategy.x true"
+    assert out.worker_error == "set --strategy.x true" and out.only_user_error
+    # a worker that died otherwise (exit status 17) keeps torchrun's report, which names it
+    died = ["E1205 api.py:1002] failed (exitcode: 17) local_rank: 2\n", "  exitcode  : 17 (pid: 9)\n"]
+    out = TorchrunOutput(sink := io.StringIO())
+    for line in ["gradsync: error: lost contact with rank 2\n", "[rank1]:gradsync: error: lost contact with rank 2\n",
+                 *died]:
+        out.feed(line)
+    out.close()
+    assert sink.getvalue() == "gradsync: error: lost contact with rank 2\n" + "".join(died)
+    assert not out.only_user_error

@@ -195,6 +195,7 @@ _RENDEZVOUS_TIMEOUT = re.compile(r"(DistStoreError|RendezvousTimeoutError|Rendez
 
 
 _WORKER_ERROR = re.compile(r"^(?:\[rank\d+\]:)?gradsync: error: (.*)$")
+_EXIT_CODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
 
 
 class TorchrunOutput:
@@ -207,11 +208,15 @@ class TorchrunOutput:
         self.held: list[str] = []
         self.rendezvous_timeout: Optional[str] = None
         self.worker_error: Optional[str] = None  # the first "gradsync: error: ..." line of a worker
+        self.after_error: list[str] = []  # what followed it: torchrun's report, other ranks' echoes
+        self._report_shown = False
 
     def feed(self, line: str) -> None:
-        # A worker's user error is already one line: show it once (every rank may print it) and drop
-        # what follows, torchrun's report of the failed worker and the other ranks' echoes of it.
+        # A worker's user error is already one line: show it once (every rank may print it) and hold
+        # what follows; torchrun's report of the failed workers is shown only when some worker failed
+        # otherwise (close).
         if self.worker_error is not None:
+            self.after_error.append(line)
             return
         found = _WORKER_ERROR.match(line)
         if found and not self.held:
@@ -235,11 +240,22 @@ class TorchrunOutput:
             self.close()
         self.held = []
 
+    @property
+    def only_user_error(self) -> bool:
+        """A worker's user error, and no worker that failed otherwise: every exit status torchrun
+        reports is gradsync's 2 for a user error, or the SIGTERM torchrun itself sent the others."""
+        codes = {int(c) for line in self.after_error for c in _EXIT_CODE.findall(line)}
+        return self.worker_error is not None and codes <= {2, -15}
+
     def close(self) -> None:
         if self.held:
             self.sink.write("".join(self.held))
             self.sink.flush()
         self.held = []
+        if self.after_error and not self.only_user_error and not self._report_shown:
+            self._report_shown = True
+            self.sink.write("".join(line for line in self.after_error if not _WORKER_ERROR.match(line)))
+            self.sink.flush()
 
 
 def run_torchrun(cmd: list[str]) -> tuple[int, Optional[str]]:
@@ -258,7 +274,7 @@ def run_torchrun(cmd: list[str]) -> tuple[int, Optional[str]]:
         return 130, None
     finally:
         out.close()
-    if rc != 0 and out.worker_error is not None:
+    if rc != 0 and out.only_user_error:
         rc = 2  # a user error, printed in one line by the worker: the command's own exit status for one
     return rc, out.rendezvous_timeout
 
