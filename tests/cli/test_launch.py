@@ -156,3 +156,9 @@ def test_torchrun_output_shows_a_worker_user_error_once_and_drops_torchruns_repo
     out.close()
     assert sink.getvalue() == "gradsync: error: lost contact with rank 2\n" + "".join(died)
     assert not out.only_user_error
+    # under --max-restarts the next attempt is streamed, not held
+    out = TorchrunOutput(sink := io.StringIO())
+    for line in ["gradsync: error: lost contact\n", "W api.py] Worker group FAILED. 2/3 attempts left; will restart "
+                 "worker group\n", "step 1\n"]:
+        out.feed(line)
+    assert sink.getvalue().endswith("will restart worker group\nstep 1\n") and out.worker_error is None

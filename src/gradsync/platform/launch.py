@@ -217,6 +217,10 @@ class TorchrunOutput:
         # otherwise (close).
         if self.worker_error is not None:
             self.after_error.append(line)
+            if "will restart worker group" in line:  # --max-restarts: show it all, stream the next attempt
+                self.sink.write("".join(x for x in self.after_error if not _WORKER_ERROR.match(x)))
+                self.sink.flush()
+                self.worker_error, self.after_error = None, []
             return
         found = _WORKER_ERROR.match(line)
         if found and not self.held:
