@@ -5,6 +5,7 @@ Tiny model sizes keep each fit near a second. Under sync, 2 processes x batch b 
 the per-token loss weight); cifar10's batch norm keeps per-process statistics between rounds (checked below).
 """
 
+import importlib.util
 import math
 
 import lightning as L
@@ -40,12 +41,22 @@ def make_cifar10(batch, root):
     return Cifar10ResNet(width=4, lr=0.05, **SCHEDULE), Cifar10Data(root=str(root), batch_size=batch)
 
 
+def make_hf_causal_lm(batch, root):
+    from gradsync.recipes.hf_causal_lm import HFCausalLM, TextData
+
+    return (HFCausalLM(arch="gpt2", n_layer=2, n_head=2, n_embd=32, block_size=16, optimizer="sgd", lr=0.5,
+                       weight_decay=0.0, **SCHEDULE),
+            TextData(max_chars=20_000, batch_size=batch))
+
+
 RECIPES = {
     # recipe: (builder, a non-sync strategy with options that act within 4 steps, exact under sync)
     "chargpt": (make_chargpt, ("compressed", {"codec": "int8"}), True),
     "synthetic": (make_synthetic, ("local_sgd", {"period": 2}), True),
     "cifar10": (make_cifar10, ("diloco", {"period": 2}), False),
 }
+if importlib.util.find_spec("transformers") is not None:  # the optional extra gradsync[hf]
+    RECIPES["hf_causal_lm"] = (make_hf_causal_lm, ("diloco", {"period": 2, "fragments": 2}), True)
 
 
 def params_only(model_state: dict) -> dict:
