@@ -123,4 +123,7 @@ def test_precision_and_clipping_reach_the_trainer_of_a_real_run(tmp_path):
     seen = json.loads((out / "trainer_args.json").read_text())
     assert seen == {"precision": "bf16-mixed", "gradient_clip_val": 0.5, "world_size": 2,
                     "autocast_dtype": "torch.bfloat16"}
-    assert json.loads((out / "summary.json").read_text())["global_step"] == 4
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["global_step"] == 4
+    assert summary["trainer_options"]["precision"] == "bf16-mixed" and summary["trainer_options"]["gradient_clip_val"] == 0.5
+    assert "fast_dev_run" not in summary["trainer_options"]  # only what was given

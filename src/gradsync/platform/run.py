@@ -26,6 +26,7 @@ from gradsync.catalog import strategy_class_path
 from gradsync.errors import GradsyncError, check
 from gradsync.platform.checkpoint import AtomicCheckpointIO, atomic_torch_save, load_checkpoint_file
 from gradsync.platform.steps import TrainingStepLimit, training_steps
+from gradsync.platform.trainer_args import changed as changed_trainer_options
 from gradsync.strategies import STRATEGIES, GradsyncStrategy
 
 log = logging.getLogger("gradsync")
@@ -426,6 +427,7 @@ def build_summary(spec: RunSpec, trainer: L.Trainer, model: Any, data: Any, cloc
         "strategy": spec.strategy,
         "strategy_options": strategy.options if isinstance(strategy, GradsyncStrategy) else {},
         "model_options": _jsonable(spec.model_options),
+        "trainer_options": _jsonable(changed_trainer_options(spec.trainer_options)),  # the L.Trainer flags given
         "world_size": world,
         "num_nodes": trainer.num_nodes,
         "backend": backend,

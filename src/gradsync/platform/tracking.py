@@ -46,6 +46,7 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
 from gradsync.errors import GradsyncError
 from gradsync.platform.steps import training_steps
+from gradsync.platform.trainer_args import changed as changed_trainer_options
 from gradsync.strategies.lightning_private import wandb_init_kwargs
 
 LoggerName = Literal["csv", "wandb", "tensorboard"]
@@ -300,6 +301,7 @@ def resolved_config(spec: Any, trainer: Any) -> dict:
         "accumulation_steps": k,
         "global_batch_size": micro * k * trainer.world_size,
         "precision": str(trainer.precision),
+        "trainer_options": changed_trainer_options(getattr(spec, "trainer_options", {})),
         "accelerator": type(trainer.accelerator).__name__.replace("Accelerator", "").lower(),
         "seed": spec.seed,
         "max_steps": spec.max_steps,

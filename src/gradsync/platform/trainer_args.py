@@ -99,6 +99,12 @@ def defaults() -> dict:
     return {**out, **GRADSYNC_DEFAULTS, **{name: None for name in DERIVED}}
 
 
+def changed(options: dict) -> dict:
+    """The Trainer arguments of ``options`` that differ from their defaults (what the user set)."""
+    base = defaults()
+    return {k: v for k, v in (options or {}).items() if k in base and v != base[k]}
+
+
 def bool_flags() -> set[str]:
     """Trainer arguments typed ``bool`` (or ``Optional[bool]``): ``--sync-batchnorm`` alone means
     ``--sync-batchnorm true``."""
