@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	if ! $(PY) -c "import torch" 2>/dev/null; then \
 	  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then $(PIP) install "torch>=2.3"; \
 	  else $(PIP) install "torch==2.13.0" $${TORCH_CPU_INDEX:+--index-url $$TORCH_CPU_INDEX}; fi; fi
-	$(PIP) install -e ".[dev,hf]"
+	$(PIP) install -e ".[dev,hf,ft]"
 	touch $@
 
 demo: setup
