@@ -82,9 +82,13 @@ def test_lowcomm(tmp_path):
     # 16 steps: four rounds of int8 pseudo-gradients against 16 fp32 all-reduces, ~4 x 3.97 fewer bytes
     assert diloco["bytes / step vs sync"] == pytest.approx(4 * 3.97, rel=0.05)
     assert sync["peak KB / sync"] > 3.9 * diloco["peak KB / sync"]
-    # a fraction: the reference is the same 2-node job with no communication, timed the same way
-    assert all(0 < r["utilization"] <= 1 for r in rows.values()), rows
-    assert sync["utilization"] < diloco["utilization"]
+    # the reference is the same 2-node job with no communication, timed the same way; sync waits on the
+    # link every step, so it is well below it. The quick run times 12 steps of ~20 ms: two reference runs
+    # differ by up to ~15% on one machine, so a run that communicates every 4th step may come out a little
+    # above 1 here (the full run's windows are 10-25x longer).
+    util = {k: r["utilization"] for k, r in rows.items()}
+    assert 0 < util["sync"] < 0.8 and 0 < util["diloco H=100 int8"] < 1.5, util
+    assert util["sync"] < util["diloco H=100 int8"], util
 
 
 def test_nodes(tmp_path):
