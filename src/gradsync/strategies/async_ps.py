@@ -146,7 +146,7 @@ class AsyncPSStrategy(GradsyncStrategy):
                                 "precision's loss scaling; use --precision bf16-mixed or 32-true")
         if len(self.optimizers) != 1:
             raise GradsyncError(f"async_ps runs one server optimizer; this module configures {len(self.optimizers)} "
-                                "optimizers. Use one optimizer or --strategy sync")
+                                "optimizers. Use one optimizer, or the sync strategy")
         world = self.world_size
         module = self.lightning_module
         params = [p for p in module.parameters() if p.requires_grad]

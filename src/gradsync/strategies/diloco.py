@@ -42,7 +42,7 @@ import torch
 
 from gradsync.algorithms import OuterStep
 from gradsync.algorithms.diloco import default_momentum_warmup, momentum_at
-from gradsync.errors import check
+from gradsync.errors import check, spell
 from gradsync.strategies.periodic import PeriodicAveragingStrategy
 
 
@@ -96,9 +96,9 @@ class DiLoCoStrategy(PeriodicAveragingStrategy):
                 :class:`~gradsync.strategies.periodic.PeriodicAveragingStrategy`, and the DDP and
                 process-group options of :class:`~gradsync.strategies.base.GradsyncStrategy`.
         """
-        check(outer_lr > 0, "outer_lr", outer_lr, "must be > 0", "the DiLoCo paper uses --strategy.outer_lr 0.7")
+        check(outer_lr > 0, "outer_lr", outer_lr, "must be > 0", f"the DiLoCo paper uses {spell('outer_lr', 0.7)}")
         check(0 <= outer_momentum < 1, "outer_momentum", outer_momentum, "must be in [0, 1)",
-              "the DiLoCo paper uses --strategy.outer_momentum 0.9")
+              f"the DiLoCo paper uses {spell('outer_momentum', 0.9)}")
         check(outer_momentum_warmup is None or (isinstance(outer_momentum_warmup, int)
                                                  and not isinstance(outer_momentum_warmup, bool)
                                                  and outer_momentum_warmup >= 0),

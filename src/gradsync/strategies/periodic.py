@@ -241,7 +241,7 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
         if len(self.optimizers) != 1:
             raise GradsyncError(
                 f"{self.strategy_name} counts optimizer steps of one optimizer; this module configures "
-                f"{len(self.optimizers)}. Use one optimizer or --strategy sync")
+                f"{len(self.optimizers)}. Use one optimizer, or the sync strategy")
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         algorithm = self.algorithm
