@@ -1,6 +1,6 @@
 """The direction of imports (DESIGN.md), read from the source: a layer never reaches up.
 
-    cli -> platform -> strategies, recipes -> lightning, torch
+    cli -> platform (and catalog, errors) -> strategies, recipes -> lightning, torch
                        strategies -> algorithms -> comm -> torch
 """
 
@@ -37,6 +37,8 @@ def _reaches(names: set[str], prefixes: tuple[str, ...]) -> list[str]:
                     "gradsync.cli")),
     ("strategies", ("gradsync.recipes", "gradsync.platform", "gradsync.cli")),
     ("recipes", ("gradsync.strategies", "gradsync.algorithms", "gradsync.cli")),
+    # the CLI reaches strategies, recipes and the layers under them only through platform
+    ("cli", ("gradsync.strategies", "gradsync.recipes", "gradsync.algorithms", "gradsync.comm")),
 ])
 def test_a_layer_never_imports_the_layers_above_it(package, forbidden):
     bad = {module: _reaches(names, forbidden) for module, names in imports_of(package).items()}
@@ -53,3 +55,47 @@ def test_algorithms_and_comm_import_without_lightning():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """gradsync module -> the gradsync modules it imports (lazy imports too). ``from pkg import sub``
+    is an import of the submodule ``pkg.sub``; ``from pkg import name`` one of the package."""
+    def name_of(path: Path) -> str:
+        parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    paths = {name_of(p): p for p in SRC.rglob("*.py")}
+    graph = {}
+    for module, path in paths.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                subs = {f"{node.module}.{a.name}" for a in node.names} & paths.keys()
+                deps.update(subs)
+                if len(subs) < len(node.names):
+                    deps.add(node.module)
+        graph[module] = {d for d in deps if d in paths and d != module}
+    return graph
+
+
+def test_no_import_cycle_between_gradsync_modules():
+    graph, state, path, cycles = _module_graph(), {}, [], []
+
+    def visit(module: str) -> None:
+        state[module] = "open"
+        path.append(module)
+        for dep in sorted(graph[module]):
+            if state.get(dep) == "open":
+                cycles.append(" -> ".join(path[path.index(dep):] + [dep]))
+            elif dep not in state:
+                visit(dep)
+        path.pop()
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+    assert len(graph) > 40 and any("gradsync.platform.run" in deps for deps in graph.values())
+    assert not cycles, cycles

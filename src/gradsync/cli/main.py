@@ -222,10 +222,11 @@ def strategy_class(name: str) -> Optional[type]:
     """The class of a gradsync strategy, a plugin's (entry point) or ``module.Class``; None for a
     stock Lightning strategy name."""
     from gradsync import catalog
-    from gradsync.strategies import STRATEGIES
+    from gradsync.platform.run import gradsync_strategy_class
 
-    if name in STRATEGIES:
-        return STRATEGIES[name]
+    cls = gradsync_strategy_class(name)
+    if cls is not None:
+        return cls
     path = catalog.strategy_class_path(name)
     if path is None:
         return None
@@ -238,9 +239,9 @@ def build_parser(command: str, sel: dict[str, Any]):
     import lightning as L
     from jsonargparse import ActionConfigFile, ArgumentParser
 
-    from gradsync.recipes import RECIPES
+    from gradsync.platform.run import recipe_entry
 
-    entry = RECIPES.get(sel["recipe"])
+    entry = recipe_entry(sel["recipe"])
     model_cls = import_class(sel["model_class"], "--model", L.LightningModule) if sel["model_class"] else entry.model
     data_cls = import_class(sel["data_class"], "--data", L.LightningDataModule) if sel["data_class"] else entry.data
 

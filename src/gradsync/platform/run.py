@@ -25,7 +25,7 @@ from lightning.pytorch.strategies import Strategy, StrategyRegistry
 from gradsync.catalog import strategy_class_path
 from gradsync.errors import GradsyncError, check
 from gradsync.platform.checkpoint import AtomicCheckpointIO, atomic_torch_save, load_checkpoint_file
-from gradsync.platform.steps import TrainingStepLimit, training_steps
+from gradsync.platform.steps import TrainingStepLimit, micro_batch_of, training_steps
 from gradsync.platform.trainer_args import changed as changed_trainer_options
 from gradsync.strategies import STRATEGIES, GradsyncStrategy
 
@@ -95,17 +95,6 @@ def accumulation_steps(global_batch: Optional[int], micro_batch: int, world_size
     return global_batch // unit
 
 
-def micro_batch_of(data: Any, trainer: Optional[L.Trainer] = None) -> int:
-    """The per-process micro-batch: the DataModule's ``batch_size``, else (after fit) its train loader's."""
-    size = getattr(data, "batch_size", None)
-    if not size and trainer is not None:
-        try:
-            size = getattr(trainer.train_dataloader, "batch_size", None)
-        except Exception:  # no loader was built (e.g. validate only)
-            size = None
-    return int(size or 0)
-
-
 def batch_arithmetic(global_batch: int, micro: int, k: int, world: int) -> str:
     return f"global batch {global_batch} = {micro} micro-batch x {k} accumulation x {world} processes"
 
@@ -115,6 +104,18 @@ def checkpoint_run_info(path: Optional[Path]) -> dict:
     if path is None:
         return {}
     return dict(load_checkpoint_file(path).get("gradsync_run") or {})
+
+def gradsync_strategy_class(name: str) -> Optional[type]:
+    """The class of the gradsync strategy named ``name`` (``sync``, ``diloco``, ...), or None."""
+    return STRATEGIES.get(name)
+
+
+def recipe_entry(name: str) -> Any:
+    """The catalog entry of recipe ``name`` (its model and data classes), or None."""
+    from gradsync.recipes import RECIPES
+
+    return RECIPES.get(name)
+
 
 def build_strategy(name: str, options: dict) -> Union[Strategy, str]:
     """A gradsync strategy instance, or a stock Lightning strategy name (which takes no options)."""

@@ -58,3 +58,14 @@ def total_training_steps(trainer: Any) -> Optional[int]:
         return int(total) if total and math.isfinite(total) else None
     total = trainer.estimated_stepping_batches
     return int(total) if total is not None and math.isfinite(total) else None
+
+
+def micro_batch_of(data: Any, trainer: Optional[Any] = None) -> int:
+    """The per-process micro-batch: the DataModule's ``batch_size``, else (after fit) its train loader's."""
+    size = getattr(data, "batch_size", None)
+    if not size and trainer is not None:
+        try:
+            size = getattr(trainer.train_dataloader, "batch_size", None)
+        except Exception:  # no loader was built (e.g. validate only)
+            size = None
+    return int(size or 0)

@@ -413,7 +413,7 @@ class RunTelemetry(Callback):
 
     # ---- timing ----
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        from gradsync.platform.run import micro_batch_of
+        from gradsync.platform.steps import micro_batch_of
 
         self._fit_start = time.perf_counter()
         self.micro_batch = micro_batch_of(trainer.datamodule, trainer)
