@@ -29,7 +29,7 @@ def _port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, sizes: list[int], repeats: int, out: str, backend: str) -> None:
-    from gradsync.strategies.ledger import CommLedger
+    from gradsync.comm.ledger import CommLedger
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradsync.strategies.codecs import CODECS
-from gradsync.strategies.ledger import CommLedger
+from gradsync.comm.ledger import CommLedger
 from harness import run_gloo
 
 pytestmark = pytest.mark.timeout(120)

@@ -16,7 +16,7 @@ from gradsync.comm.codecs.cast import Bf16Reducer, Fp16Reducer
 from gradsync.comm.codecs.common import RoundingNoise
 from gradsync.comm.codecs.int8 import HEADROOM, Int4Reducer, Int8Reducer
 from gradsync.comm.futures import completed
-from gradsync.strategies.ledger import CommLedger
+from gradsync.comm.ledger import CommLedger
 
 
 @pytest.fixture(scope="module")

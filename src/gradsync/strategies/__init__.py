@@ -9,7 +9,6 @@ from __future__ import annotations
 from lightning.pytorch.strategies import StrategyRegistry
 
 from gradsync.strategies.base import GradsyncStrategy
-from gradsync.strategies.ledger import CommLedger, wire_bytes
 from gradsync.strategies.accumulate import AccumulateStrategy
 from gradsync.strategies.sync import SyncStrategy
 from gradsync.strategies.compressed import CompressedStrategy

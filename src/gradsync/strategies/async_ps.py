@@ -43,7 +43,7 @@ from lightning.pytorch.callbacks import Callback
 
 from gradsync.errors import GradsyncError, check, spell
 from gradsync.strategies.base import GradsyncStrategy
-from gradsync.strategies.ledger import fp32_allreduce_bytes
+from gradsync.comm.ledger import fp32_allreduce_bytes
 from gradsync.strategies.ps_server import PSClient, ServerError, ServerThread, ShardState, split_shards
 from gradsync.strategies.lightning_private import ddp_kwargs, replace_sigterm_broadcast
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from gradsync.strategies.ledger import CommLedger, fp32_allreduce_bytes, wire_bytes
+from gradsync.comm.ledger import CommLedger, fp32_allreduce_bytes, wire_bytes
 from harness import run_gloo
 
 S = 1_000_000
