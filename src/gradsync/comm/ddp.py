@@ -24,7 +24,7 @@ Use a reducer directly on a plain DDP model::
 
 # No `from __future__ import annotations`: DDP checks a hook's annotations at runtime.
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -103,11 +103,15 @@ class ReducerHookState:
 
     reducer: Reducer
     param_names: dict = field(default_factory=dict, repr=False)
-    #: Optimizer steps whose gradients went through this hook (the last bucket of a step counts it).
+    #: Optimizer steps whose gradients went through this hook, counted by the hook itself (the last
+    #: bucket of a step counts it) when no ``steps`` owner is given.
     num_steps: int = 0
     #: Reducer of the first ``warmup_steps`` steps (e.g. exact fp32 before PowerSGD starts).
     warmup: Optional[Reducer] = None
     warmup_steps: int = 0
+    #: The owner of the step count (an object with ``num_steps``, e.g. a
+    #: :class:`gradsync.algorithms.Schedule` that the optimizer step advances): the hook only reads it.
+    steps: Any = field(default=None, repr=False)
 
     def bind(self, named_parameters: Iterable) -> "ReducerHookState":
         """Name the model's parameters so per-name state survives bucket rebuilds and resume."""
@@ -121,10 +125,12 @@ def reducer_hook(state: ReducerHookState, bucket: dist.GradBucket) -> torch.futu
     During the first ``state.warmup_steps`` optimizer steps, through ``state.warmup`` instead.
     """
     warmup = getattr(state, "warmup", None)
-    in_warmup = warmup is not None and state.num_steps < getattr(state, "warmup_steps", 0)
+    owner = getattr(state, "steps", None)
+    step = state.num_steps if owner is None else owner.num_steps
+    in_warmup = warmup is not None and step < getattr(state, "warmup_steps", 0)
     reducer = warmup if in_warmup else state.reducer
-    fut = reduce_bucket(reducer, bucket, state.param_names, sync=("step", state.num_steps))
-    if bucket.is_last():
+    fut = reduce_bucket(reducer, bucket, state.param_names, sync=("step", step))
+    if bucket.is_last() and owner is None:
         # DDP launches buckets in index order, so this is the step's final bucket.
         state.num_steps += 1
     return fut
