@@ -33,7 +33,7 @@ from benchmarks.common import Report, command_line
 from gradsync.comm.codecs.cast import Bf16Reducer, CastReducer, Fp16Reducer
 from gradsync.comm.codecs.int8 import Int4Reducer, Int8Reducer, QuantizedReducer
 from gradsync.comm.codecs import sparse
-from gradsync.strategies.codecs import powersgd, sign, topk
+from gradsync.comm.codecs import powersgd, sign, topk
 
 CHUNK = 2048      # entries per scale for int8, int4 and sign (the reducers default to 512)
 FRACTION = 0.01   # topk

@@ -1,6 +1,6 @@
 """Codecs on real 2- and 3-process gloo groups: identical results on every rank, exact wire bytes.
 
-Each codec is registered as a DDP communication hook on a small MLP (one bucket), trained a few
+Each codec's reducer is registered as a DDP communication hook (``reducer_hook``) on a small MLP (one bucket), trained a few
 SGD steps on rank-dependent data. The ledger's wire bytes must equal the codec's byte formula
 (docs/strategies/compressed.md), written out here independently of the code.
 """
@@ -13,7 +13,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradsync.strategies.codecs import CODECS
+from gradsync.comm import build_reducer
+from gradsync.comm.ddp import ReducerHookState, reducer_hook
 from gradsync.comm.ledger import CommLedger
 from harness import run_gloo
 
@@ -33,9 +34,9 @@ def train_with_codec(rank: int, world: int, codec: str, options: dict) -> dict:
     model = mlp()
     ddp = DDP(model)
     ledger = CommLedger(world_size=world)
-    state_cls, hook = CODECS[codec]
-    state = state_cls(ledger=ledger, **options).bind(model.named_parameters())
-    ddp.register_comm_hook(state, hook)
+    feedback = codec in ("sign", "topk", "powersgd")  # as compressed sets it
+    state = ReducerHookState(reducer=build_reducer(codec, ledger=ledger, error_feedback=feedback, **options))
+    ddp.register_comm_hook(state.bind(model.named_parameters()), reducer_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(1000 + rank)  # every rank sees different data
     grads = []
@@ -46,7 +47,7 @@ def train_with_codec(rank: int, world: int, codec: str, options: dict) -> dict:
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]).clone())
         opt.step()
     return {"params": {k: v.clone() for k, v in model.state_dict().items()}, "grads": grads,
-            "ledger": ledger.state_dict(), "codec_state": state.state_dict()}
+            "ledger": ledger.state_dict(), "codec_state": state.reducer.state_dict()}
 
 
 def allreduce(n, world, nbytes_per_entry):

@@ -7,11 +7,9 @@ import torch
 import torch.distributed as dist
 
 from gradsync.errors import OptionError
-from gradsync.strategies.codecs import (
-    Bf16State, Fp16State, Int8State, PowerSGDState, SignState, TopKState, bf16_hook, fp16_hook, int8_hook,
-    powersgd_hook, sign_hook, topk_hook,
-)
-from gradsync.strategies.codecs import int8, powersgd, sign, topk
+from gradsync.comm import build_reducer
+from gradsync.comm.codecs import int8, powersgd, sign, topk
+from gradsync.comm.ddp import ReducerHookState, reducer_hook
 from gradsync.comm.codecs.cast import Bf16Reducer, Fp16Reducer
 from gradsync.comm.codecs.common import RoundingNoise
 from gradsync.comm.codecs.int8 import HEADROOM, Int4Reducer, Int8Reducer
@@ -45,9 +43,17 @@ def model_params():
             torch.nn.Parameter(torch.randn(8, 16))]
 
 
-def run_hook(hook, state, params, grads):
+def hook_state(codec, params=(), **options):
+    """``compressed``'s DDP hook state for ``codec``: its reducer (error feedback on for the codecs that
+    need it, as compressed sets it), the parameters named p0, p1, ..."""
+    options.setdefault("error_feedback", codec in ("sign", "topk", "powersgd"))
+    reducer = build_reducer(codec, ledger=CommLedger(), **options)
+    return ReducerHookState(reducer=reducer).bind([(f"p{i}", p) for i, p in enumerate(params)])
+
+
+def run_hook(state, params, grads):
     bucket = FakeBucket(params, grads)
-    return hook(state, bucket).wait().clone()
+    return reducer_hook(state, bucket).wait().clone()
 
 
 # ---- round trips -------------------------------------------------------------------------------
@@ -163,11 +169,11 @@ def test_powersgd_full_rank_is_exact_and_low_rank_is_worth_it():
 
 
 @pytest.mark.usefixtures("one_process_group")
-@pytest.mark.parametrize("hook,state_cls,rel", [(fp16_hook, Fp16State, 2**-11), (bf16_hook, Bf16State, 2**-8)])
-def test_cast_codecs_round_trip_within_their_precision(hook, state_cls, rel):
+@pytest.mark.parametrize("codec,rel", [("fp16", 2**-11), ("bf16", 2**-8)])
+def test_cast_codecs_round_trip_within_their_precision(codec, rel):
     params = model_params()
     grads = [torch.randn_like(p) for p in params]
-    out = run_hook(hook, state_cls(ledger=CommLedger()), params, grads)
+    out = run_hook(hook_state(codec, params), params, grads)
     x = torch.cat([g.flatten() for g in grads])
     assert bool(((out - x).abs() <= x.abs() * rel).all())
     assert not torch.equal(out, x)
@@ -177,15 +183,15 @@ def test_cast_codecs_round_trip_within_their_precision(hook, state_cls, rel):
 @pytest.mark.usefixtures("one_process_group")
 def test_topk_residual_is_input_minus_sent():
     params = model_params()
-    state = TopKState(ledger=CommLedger(), fraction=0.1).bind([(f"p{i}", p) for i, p in enumerate(params)])
+    state = hook_state("topk", params, fraction=0.1)
     keys = [(f"p{i}", p.numel()) for i, p in enumerate(params)]
     residual = torch.zeros(sum(p.numel() for p in params))
     for step in range(3):
         grads = [torch.randn_like(p) for p in params]
         x = torch.cat([g.flatten() for g in grads]) + residual
-        sent = run_hook(topk_hook, state, params, grads)
+        sent = run_hook(state, params, grads)
         assert int((sent != 0).sum()) == math.ceil(0.1 * x.numel())
-        residual = state.residuals.gather(keys, x)
+        residual = state.reducer.residuals.gather(keys, x)
         torch.testing.assert_close(residual, x - sent, rtol=0, atol=0)
         # what was sent is exactly the largest-magnitude part of input + old residual
         kept = sent != 0
@@ -195,16 +201,17 @@ def test_topk_residual_is_input_minus_sent():
 @pytest.mark.usefixtures("one_process_group")
 def test_sign_worker_and_reducer_residuals_conserve_the_gradient():
     params = model_params()
-    state = SignState(ledger=CommLedger(), chunk_size=64).bind([(f"p{i}", p) for i, p in enumerate(params)])
+    state = hook_state("sign", params, chunk_size=64)
+    worker_residuals, reducer_residuals = state.reducer.residuals, state.reducer.inner.reducer_residuals
     keys = [(f"p{i}", p.numel()) for i, p in enumerate(params)]
     carried = torch.zeros(sum(p.numel() for p in params))
     for step in range(3):
         grads = [torch.randn_like(p) for p in params]
         x = torch.cat([g.flatten() for g in grads])
-        m = x + state.worker_residuals.gather(keys, x)
-        sent = run_hook(sign_hook, state, params, grads)
-        worker = state.worker_residuals.gather(keys, x)
-        reducer = state.reducer_residuals.gather(keys, x)
+        m = x + worker_residuals.gather(keys, x)
+        sent = run_hook(state, params, grads)
+        worker = worker_residuals.gather(keys, x)
+        reducer = reducer_residuals.gather(keys, x)
         # worker side: residual == input (+ old residual) minus what it sent
         packed, scales = sign.compress(m, 64)
         torch.testing.assert_close(worker, m - sign.decompress(packed, scales, 64))
@@ -217,12 +224,12 @@ def test_sign_worker_and_reducer_residuals_conserve_the_gradient():
 @pytest.mark.usefixtures("one_process_group")
 def test_powersgd_residual_is_input_minus_low_rank_part():
     params = model_params()
-    state = PowerSGDState(ledger=CommLedger(), rank=2).bind([(f"p{i}", p) for i, p in enumerate(params)])
+    state = hook_state("powersgd", params, rank=2)
     keys = [(f"p{i}", p.numel()) for i, p in enumerate(params)]
     carried = {}
     for step in range(3):
         grads = [torch.randn_like(p) for p in params]
-        out = run_hook(powersgd_hook, state, params, grads)
+        out = run_hook(state, params, grads)
         offset = 0
         for (name, numel), g in zip(keys, grads):
             piece = out[offset:offset + numel].view_as(g)
@@ -230,7 +237,7 @@ def test_powersgd_residual_is_input_minus_low_rank_part():
                 torch.testing.assert_close(piece, g)  # uncompressed
             else:
                 m = g + carried.get(name, torch.zeros_like(g))
-                err = state.errors.pieces[name].view_as(g)
+                err = state.reducer.residuals.pieces[name].view_as(g)
                 torch.testing.assert_close(err, m - piece, rtol=0, atol=1e-5)
                 assert torch.linalg.matrix_rank(piece) <= 2
                 carried[name] = err
@@ -242,21 +249,21 @@ def test_int8_hook_is_unbiased_and_seeded():
     params = model_params()
     grads = [torch.randn_like(p) for p in params]
     x = torch.cat([g.flatten() for g in grads])
-    a = run_hook(int8_hook, Int8State(ledger=CommLedger(), chunk_size=64, seed=3), params, grads)
-    b = run_hook(int8_hook, Int8State(ledger=CommLedger(), chunk_size=64, seed=3), params, grads)
+    a = run_hook(hook_state("int8", params, chunk_size=64, seed=3), params, grads)
+    b = run_hook(hook_state("int8", params, chunk_size=64, seed=3), params, grads)
     assert torch.equal(a, b)
-    state = Int8State(ledger=CommLedger(), chunk_size=64, seed=4)
-    mean = torch.stack([run_hook(int8_hook, state, params, grads) for _ in range(400)]).mean(0)
+    state = hook_state("int8", params, chunk_size=64, seed=4)
+    mean = torch.stack([run_hook(state, params, grads) for _ in range(400)]).mean(0)
     assert float((mean - x).abs().max()) < float((a - x).abs().max()) / 4
 
 
 # ---- options ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("make,option", [
-    (lambda: Int8State(chunk_size=4), "chunk_size"),
-    (lambda: SignState(chunk_size=100), "chunk_size"),
-    (lambda: TopKState(fraction=0), "fraction"),
-    (lambda: TopKState(fraction=1.5), "fraction"),
-    (lambda: PowerSGDState(rank=0), "rank"),
+    (lambda: build_reducer("int8", chunk_size=4), "chunk_size"),
+    (lambda: build_reducer("sign", chunk_size=100), "chunk_size"),
+    (lambda: build_reducer("topk", fraction=0), "fraction"),
+    (lambda: build_reducer("topk", fraction=1.5), "fraction"),
+    (lambda: build_reducer("powersgd", rank=0), "rank"),
 ])
 def test_bad_codec_options_fail_at_construction_with_one_line(make, option):
     with pytest.raises(OptionError) as info:
@@ -269,18 +276,15 @@ def test_bad_codec_options_fail_at_construction_with_one_line(make, option):
 @pytest.mark.parametrize("codec", ["int8", "sign", "topk", "powersgd"])
 def test_compression_does_not_depend_on_ddp_bucket_order(codec):
     """DDP reorders a bucket's parameters after its first step (and on resume): same result either way."""
-    from gradsync.strategies.codecs import CODECS
-
     params = model_params()
     torch.manual_seed(5)
     grads = [torch.randn_like(p) for p in params]
-    state_cls, hook = CODECS[codec]
     outs = []
     for order in (range(3), reversed(range(3))):
         order = list(order)
-        state = state_cls(ledger=CommLedger()).bind([(f"p{i}", p) for i, p in enumerate(params)])
+        state = hook_state(codec, params)
         bucket = FakeBucket([params[i] for i in order], [grads[i] for i in order])
-        out = hook(state, bucket).wait()
+        out = reducer_hook(state, bucket).wait()
         pieces = dict(zip(order, torch.split(out, [params[i].numel() for i in order])))
         outs.append(torch.cat([pieces[i] for i in range(3)]))
     assert torch.equal(outs[0], outs[1])
