@@ -19,7 +19,7 @@ node-scoped rounds alike::
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import torch.distributed as dist
 
@@ -44,6 +44,10 @@ REDUCERS: dict[str, type[Reducer]] = {
     "powersgd": PowerSGDReducer,
     "sparseloco": SparseLoCoReducer,
 }
+
+#: The codec names as a type: every strategy's ``codec`` option (the CLI's choices come from it).
+#: The same names as :data:`REDUCERS` (a test holds them equal).
+Codec = Literal["identity", "fp16", "bf16", "int8", "int4", "sign", "topk", "powersgd", "sparseloco"]
 
 #: Codec options: name -> (default, the codecs that read it). Strategies take these as
 #: ``--strategy.<option>`` and refuse one the chosen codec does not read.
@@ -100,5 +104,5 @@ def build_reducer(codec: str, *, ledger: Optional[CommLedger] = None, group: Opt
     return reducer
 
 
-__all__ = ["CODEC_OPTIONS", "LOSSY", "REDUCERS", "CommLedger", "ErrorFeedback", "Reducer", "build_reducer",
+__all__ = ["CODEC_OPTIONS", "LOSSY", "REDUCERS", "Codec", "CommLedger", "ErrorFeedback", "Reducer", "build_reducer",
            "check_codec_options", "fp32_allreduce_bytes", "wire_bytes"]

@@ -1,7 +1,7 @@
 """``compressed``: synchronous data parallel whose gradients cross the network compressed.
 
 Every step is still a synchronous all-reduce of the mean gradient, but each DDP bucket travels
-through a codec (:mod:`gradsync.strategies.codecs`): fp16, bf16, int8, 1-bit sign, top-k or
+through a codec (a reducer of :mod:`gradsync.comm`): fp16, bf16, int8, 1-bit sign, top-k or
 PowerSGD, the last three with error feedback. The codecs are DDP communication hooks, so
 compression overlaps with the rest of the backward pass (no hook waits for a hop), and they run on
 CPU/gloo as well as CUDA/NCCL. See docs/strategies/compressed.md for the math, the bytes and when to use which.
@@ -26,7 +26,8 @@ from typing import Any, Callable, Literal, Optional
 
 import torch
 
-from gradsync.comm import CODEC_OPTIONS, build_reducer, check_codec_options
+from gradsync.algorithms import Schedule
+from gradsync.comm import CODEC_OPTIONS, LOSSY, Codec, build_reducer, check_codec_options
 from gradsync.comm.codecs.common import ParamStore
 from gradsync.comm.ddp import ReducerHookState, reducer_hook
 from gradsync.comm.error_feedback import AdamMoments, MomentumCorrection, SGDMomentum
@@ -36,10 +37,9 @@ from gradsync.errors import check, spell
 from gradsync.strategies.base import GradsyncStrategy
 from gradsync.strategies.local_clip import LocalClipState, local_clip_hook
 
-Codec = Literal["identity", "fp16", "bf16", "int8", "int4", "sign", "topk", "powersgd", "sparseloco"]
 
-#: Codecs whose error feedback is an option of ``compressed`` (on by default). The others send an
-#: unbiased or nearly exact mean every step and run without it.
+#: Codecs whose error feedback ``compressed`` turns on by default. The others send an unbiased or
+#: nearly exact mean every step and run without it unless ``error_feedback`` is set.
 FEEDBACK_CODECS = ("sign", "topk", "powersgd", "sparseloco")
 
 #: Codecs that compress the SGD velocity rather than the gradient, unless ``momentum_correction``
@@ -74,7 +74,7 @@ class CompressedStrategy(GradsyncStrategy):
         chunk_size: int = 512,
         fraction: float = 0.01,
         rank: Optional[int] = None,
-        error_feedback: bool = True,
+        error_feedback: Optional[bool] = None,
         momentum_correction: bool = True,
         warm_start: bool = True,
         seed: int = 0,
@@ -98,7 +98,10 @@ class CompressedStrategy(GradsyncStrategy):
             fraction: topk: share of entries sent per step, in (0, 1].
             rank: powersgd: rank of the approximation, >= 1. Default: 4, or 8 when the optimizer is
                 Adam or AdamW (their per-coordinate scaling amplifies what a low rank drops).
-            error_feedback: sign, topk, powersgd, sparseloco: carry what compression dropped into the next step.
+            error_feedback: carry what compression dropped into the next step (any lossy codec; the same
+                option as ``local_sgd``'s and ``diloco``'s). Default: on for sign, topk, powersgd and
+                sparseloco, which need it; off for fp16, bf16, int8 and int4, whose rounding is
+                unbiased (stochastic) or below the gradient noise.
             momentum_correction: sign, topk, sparseloco: compress each rank's SGD velocity (Deep Gradient
                 Compression's momentum correction) or, with Adam/AdamW, its Adam direction, not its
                 gradient: the optimizer's settings are read from it and applied before compression,
@@ -120,9 +123,9 @@ class CompressedStrategy(GradsyncStrategy):
                                     "rank": POWERSGD_RANK if rank is None else rank,
                                     "warm_start": warm_start, "seed": seed, "sparse_chunk_size": sparse_chunk_size,
                                     "sparse_k": sparse_k, "value_bits": value_bits, "error_decay": error_decay})
-        check(error_feedback or codec in FEEDBACK_CODECS, "error_feedback", error_feedback,
-              f"is not used by codec {codec} (only by {', '.join(FEEDBACK_CODECS)})",
-              f"drop {spell('error_feedback')} or choose {spell('codec', FEEDBACK_CODECS[0])}")
+        check(not (error_feedback and codec not in LOSSY), "error_feedback", error_feedback,
+              f"is not used by codec {codec} (it is exact)", f"drop {spell('error_feedback')} or choose a lossy codec")
+        error_feedback = (codec in FEEDBACK_CODECS) if error_feedback is None else bool(error_feedback)
         check(momentum_correction or codec in MOMENTUM_CODECS, "momentum_correction", momentum_correction,
               f"is not used by codec {codec} (only by {', '.join(MOMENTUM_CODECS)})",
               f"drop {spell('momentum_correction')} or choose {spell('codec', MOMENTUM_CODECS[0])}")
@@ -140,6 +143,8 @@ class CompressedStrategy(GradsyncStrategy):
         self._set_scope(scope, procs_per_node)
         self.codec = codec
         self.warmup_steps = warmup_steps
+        #: the optimizer-step count (advanced by :meth:`optimizer_step`, read by the hook, checkpointed)
+        self.schedule = Schedule(warmup_steps=warmup_steps)
         self.chunk_size, self.fraction = chunk_size, fraction
         self.rank = POWERSGD_RANK if rank is None else rank
         self._rank_given = rank is not None
@@ -164,13 +169,13 @@ class CompressedStrategy(GradsyncStrategy):
     def _new_reducer(self, group: Any = None, scope: str = "world") -> Reducer:
         options = {k: getattr(self, k) for k in CODEC_OPTIONS}
         return build_reducer(self.codec, ledger=self.ledger, group=group, scope=scope,
-                             error_feedback=self.error_feedback and self.codec in FEEDBACK_CODECS, **options)
+                             error_feedback=self.error_feedback, **options)
 
     # ---- hooks -----------------------------------------------------------------------------
     def build_comm_hook(self) -> Optional[tuple[Any, Callable]]:
         reducer, warmup = self._build_reducers()
-        self._hook_state = ReducerHookState(reducer=reducer, warmup=warmup, warmup_steps=self.warmup_steps,
-                                            ).bind(self.lightning_module.named_parameters())
+        self._hook_state = ReducerHookState(reducer=reducer, warmup=warmup, warmup_steps=self.schedule.warmup_steps,
+                                            steps=self.schedule).bind(self.lightning_module.named_parameters())
         trainer = self.lightning_module.trainer
         clip_val = getattr(trainer, "gradient_clip_val", None) if trainer is not None else None
         if self.corrects_momentum and clip_val:
@@ -321,6 +326,11 @@ class CompressedStrategy(GradsyncStrategy):
             self._adam_stepping = False
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        out = self._optimizer_step(optimizer, closure, model, **kwargs)
+        self.schedule.num_steps += 1  # the step's gradients were reduced under the count before it
+        return out
+
+    def _optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         if not self.corrects_momentum:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         trainer = self.lightning_module.trainer
@@ -366,7 +376,7 @@ class CompressedStrategy(GradsyncStrategy):
     def algorithm_state_dict(self) -> dict:
         out = super().algorithm_state_dict()
         if self._hook_state is not None:
-            out["compressed"] = {"codec": self.codec, "num_steps": self._hook_state.num_steps,
+            out["compressed"] = {"codec": self.codec, "num_steps": self.schedule.num_steps,
                                  "momentum_correction": self.corrects_momentum,
                                  "codec_state": self._hook_state.reducer.state_dict()}
         return out
@@ -376,7 +386,7 @@ class CompressedStrategy(GradsyncStrategy):
         saved = state.get("compressed")
         if saved is None or self._hook_state is None:
             return
-        self._hook_state.num_steps = int(saved["num_steps"])
+        self.schedule.num_steps = int(saved["num_steps"])
         if saved.get("codec") != self.codec:
             if self.global_rank == 0:
                 warnings.warn(f"compressed: checkpoint was written with codec {saved.get('codec')}, this run uses "

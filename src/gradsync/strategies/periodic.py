@@ -23,7 +23,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from gradsync.algorithms import PeriodicAveraging, Schedule
-from gradsync.comm import CODEC_OPTIONS, LOSSY, build_reducer, check_codec_options
+from gradsync.comm import CODEC_OPTIONS, LOSSY, Codec, build_reducer, check_codec_options
 from gradsync.comm.ddp import AllReduceState, allreduce_hook, local_hook
 from gradsync.comm.hierarchical import INTER, INTRA, NodeReducer
 from gradsync.comm.reducer import Reducer
@@ -31,7 +31,6 @@ from gradsync.errors import GradsyncError, check, spell
 from gradsync.strategies.base import GradsyncStrategy
 from gradsync.strategies.lightning_private import ddp_kwargs
 
-Codec = Literal["identity", "fp16", "bf16", "int8", "int4", "sign", "topk", "powersgd", "sparseloco"]
 Scope = Literal["world", "node"]
 
 

@@ -75,3 +75,4 @@ def test_ledger_on_real_gloo_group(tmp_path):
         assert r["summary"]["collectives"] == 5
         assert r["by"]["all_reduce"]["count"] == 2
         assert r["summary"]["seconds"] > 0
+
