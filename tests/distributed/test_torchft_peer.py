@@ -10,36 +10,25 @@ gradsync rank's, recorded), with the same inner SGD and an outer Nesterov SGD (l
 
 import multiprocessing
 import os
-from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
 
 from gradsync.recipes import DigitsClassifier, DigitsData
 from gradsync.strategies import DiLoCoStrategy
 from harness import fit, max_abs_diff
+from test_peers import RecordBatches, model
 
 torchft = pytest.importorskip("torchft", reason="the ft extra (pip install gradsync[ft]) is not installed")
 
 pytestmark = pytest.mark.timeout(180)
 
 
-def model():
-    L.seed_everything(0, verbose=False)
-    return DigitsClassifier(lr=0.1, momentum=0.9)
-
-
-class RecordBatches(Callback):
-    def __init__(self, out):
-        self.out, self.batches = Path(out), []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.batches.append([t.clone() for t in batch])
+class RecordBatchesAndLast(RecordBatches):
+    """The batches this rank trained on, and the model after the last step's round (before the end-of-fit
+    round, which torchft has not)."""
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        # the model after the last step's round, before the end-of-fit round (which torchft has not)
         self.last = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
 
     def on_train_end(self, trainer, pl_module):
@@ -89,7 +78,7 @@ def test_diloco_equals_torchfts_diloco(tmp_path, monkeypatch, fragments):
     start = model().state_dict()
     fit(model(), DigitsData(batch_size=16),
         strategy=DiLoCoStrategy(period=period * fragments, outer_momentum_warmup=0, fragments=fragments),
-        devices=2, max_steps=period * rounds, out=tmp_path / "gradsync", callbacks=(RecordBatches(tmp_path),))
+        devices=2, max_steps=period * rounds, out=tmp_path / "gradsync", callbacks=(RecordBatchesAndLast(tmp_path),))
     batches, ours = zip(*[torch.load(tmp_path / f"batches{r}.pt") for r in (0, 1)])
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
     try:
