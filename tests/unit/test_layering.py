@@ -99,3 +99,14 @@ def test_no_import_cycle_between_gradsync_modules():
             visit(module)
     assert len(graph) > 40 and any("gradsync.platform.run" in deps for deps in graph.values())
     assert not cycles, cycles
+
+
+@pytest.mark.parametrize("statement, new", [
+    ("import gradsync.strategies.ledger", "gradsync.comm.ledger"),
+    ("from gradsync.strategies.codecs import Int8State", "gradsync.comm.build_reducer"),
+    ("from gradsync.strategies import CommLedger", "from gradsync.comm import CommLedger"),
+])
+def test_moved_names_answer_with_their_new_spelling_in_one_line(statement, new):
+    with pytest.raises(ImportError) as info:
+        exec(statement, {})
+    assert new in str(info.value) and "\n" not in str(info.value)

@@ -105,6 +105,7 @@ def checkpoint_run_info(path: Optional[Path]) -> dict:
         return {}
     return dict(load_checkpoint_file(path).get("gradsync_run") or {})
 
+
 def gradsync_strategy_class(name: str) -> Optional[type]:
     """The class of the gradsync strategy named ``name`` (``sync``, ``diloco``, ...), or None."""
     return STRATEGIES.get(name)

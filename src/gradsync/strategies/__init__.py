@@ -28,3 +28,9 @@ for _cls in STRATEGIES.values():
     _cls.register_strategies(StrategyRegistry)
 
 __all__ = ["STRATEGIES", "AccumulateStrategy", "AsyncPSStrategy", "CommLedger", "GradsyncStrategy", "SyncStrategy", "wire_bytes"]
+
+
+def __getattr__(name: str):
+    if name in ("CommLedger", "wire_bytes"):
+        raise ImportError(f"gradsync.strategies.{name} moved: from gradsync.comm import {name}")
+    raise AttributeError(f"module 'gradsync.strategies' has no attribute {name!r}")
