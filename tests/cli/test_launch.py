@@ -156,6 +156,14 @@ def test_torchrun_output_shows_a_worker_user_error_once_and_drops_torchruns_repo
     out.close()
     assert sink.getvalue() == "gradsync: error: lost contact with rank 2\n" + "".join(died)
     assert not out.only_user_error
+    # two ranks' copies run together on one line (they share torchrun's stderr): shown once, whole
+    for lines in (["gradsync: error: set --strategy.x truegradsync: error: set --strategy.x true\n", "\n"],
+                  ["gradsync: error: set --strat[rank1]:gradsync: error: set --strategy.x true\n", "egy.x true\n"]):
+        out = TorchrunOutput(sink := io.StringIO())
+        for line in [*lines, *report]:
+            out.feed(line)
+        out.close()
+        assert sink.getvalue() == "gradsync: error: set --strategy.x true\n" and out.only_user_error
     # under --max-restarts the next attempt is streamed, not held
     out = TorchrunOutput(sink := io.StringIO())
     for line in ["gradsync: error: lost contact\n", "W api.py] Worker group FAILED. 2/3 attempts left; will restart "

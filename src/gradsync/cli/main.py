@@ -581,7 +581,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             return cmd_run(command, rest)
         raise UsageError(f"unknown command {command!r}; choose one of fit, validate, test, list, compare, sample")
     except (UsageError, GradsyncError) as exc:
-        print(f"gradsync: error: {exc}", file=sys.stderr)
+        # one write: every rank may print it into the same pipe, and print() writes the newline apart
+        sys.stderr.write(f"gradsync: error: {exc}\n")
+        sys.stderr.flush()
         return 2
 
 

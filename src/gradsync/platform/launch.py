@@ -194,7 +194,10 @@ _RENDEZVOUS_TIMEOUT = re.compile(r"(DistStoreError|RendezvousTimeoutError|Rendez
                                  r"(clients joined|[Tt]imed out|timeout)")
 
 
-_WORKER_ERROR = re.compile(r"^(?:\[rank\d+\]:)?gradsync: error: (.*)$")
+#: A worker's one-line user error. Workers share torchrun's stderr, so two ranks' copies of it can
+#: arrive run together on one line ("gradsync: error: ab" + "gradsync: error: abc"): the last copy on
+#: the line is the one that reached its newline whole.
+_WORKER_ERROR = re.compile(r"^(?:.*)gradsync: error: (.*)$")
 _EXIT_CODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
 
 
