@@ -13,8 +13,10 @@ became ready (and does so again after every resume, since the DDP wrapper is new
 shards and random draws then do not depend on that order, and a resumed run compresses exactly
 like the uninterrupted one.
 
-Also here: the plain hooks of ``sync`` (one fp32 all-reduce per bucket, recorded in the ledger)
-and of local steps (no communication at all).
+Also here: the plain all-reduce hooks (one fp32 all-reduce per bucket, recorded in the ledger), the
+hook of local steps (no communication at all), and :func:`record_builtin_allreduce`, which books
+what DDP's own C++ all-reduce moved when no hook is installed (``sync``'s path: it costs what stock
+DDP costs).
 
 Use a reducer directly on a plain DDP model::
 
@@ -175,6 +177,19 @@ def allreduce_sum_hook(state: AllReduceState, bucket: dist.GradBucket) -> torch.
     if bucket.is_last():
         state.num_steps += 1
     return fut
+
+
+def record_builtin_allreduce(ledger: CommLedger, model: torch.nn.parallel.DistributedDataParallel,
+                             step: int) -> None:
+    """Book one synchronized backward of a DDP model without a comm hook: the fp32 all-reduce of every
+    gradient DDP reduces, as one collective with sync id ``("step", step)`` (DDP cuts it into buckets,
+    which it rebuilds after the first step and does not report; the bytes are the same), and the same
+    logical bytes. Its time runs inside DDP's reducer, overlapped with backward, and is not measured."""
+    world = dist.get_world_size()
+    params = [p for p in model.parameters() if p.requires_grad]
+    ledger.add_logical(fp32_allreduce_bytes(sum(p.numel() for p in params), world))
+    ledger.record("all_reduce", sum(p.numel() * p.element_size() for p in params), group_size=world,
+                  sync=("step", step))
 
 
 def local_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

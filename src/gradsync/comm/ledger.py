@@ -147,6 +147,9 @@ class CommLedger:
     logical_bytes: int = 0
     seconds: float = 0.0
     collectives: int = 0
+    #: False where the training collectives run out of gradsync's sight (DDP's built-in all-reduce):
+    #: their bytes are booked, their time is not, and the summary's ``seconds`` is None.
+    timed: bool = True
     by_collective: dict = field(default_factory=dict)
     by_scope: dict = field(default_factory=dict)  # scope -> Totals (training traffic)
     other: dict = field(default_factory=dict)  # purpose -> Totals
@@ -296,7 +299,7 @@ class CommLedger:
             "wire_bytes": int(self.wire_bytes),
             "logical_bytes": int(self.logical_bytes),
             "compression_ratio": float(self.compression_ratio),
-            "seconds": float(self.seconds),
+            "seconds": float(self.seconds) if self.timed else None,
             "collectives": int(self.collectives),
             "peak_sync_bytes": int(self.peak_sync_bytes),
         }
@@ -332,7 +335,7 @@ class CommLedger:
         with self._lock:
             self.wire_bytes = int(state.get("wire_bytes", 0))
             self.logical_bytes = int(state.get("logical_bytes", 0))
-            self.seconds = float(state.get("seconds", 0.0))
+            self.seconds = float(state.get("seconds") or 0.0)  # None where the ledger was not timed
             self.collectives = int(state.get("collectives", 0))
             self.by_collective = {k: dict(v) for k, v in state.get("by_collective", {}).items()}
             self.by_scope = {}

@@ -87,8 +87,8 @@ def _fmt_exact_bytes(n: Any) -> str:
 
 
 def _comm_time(seconds: Any, share: Any) -> str:
-    if seconds is None:
-        return "n/a"
+    if seconds is None:  # sync's collectives run inside DDP's own all-reduce (sync --strategy.time_comm times them)
+        return "not timed"
     text = f"{float(seconds):.3g} s"
     if share is not None:
         text += f" ({100 * float(share):.1f}% of training time, in flight)"

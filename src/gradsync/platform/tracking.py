@@ -397,7 +397,7 @@ class RunTelemetry(Callback):
 
     def comm_share(self, trainer: Any) -> Optional[float]:
         ledger = _ledger(trainer)
-        if ledger is None or self.train_seconds <= 0:
+        if ledger is None or not ledger.timed or self.train_seconds <= 0:
             return None
         return float(ledger.seconds) / self.train_seconds
 
@@ -449,7 +449,7 @@ class RunTelemetry(Callback):
         sps = self.samples_per_second()
         if sps is not None and self._global_batch:
             metrics["perf/samples_per_second"] = sps
-        if ledger is not None:
+        if ledger is not None and ledger.timed:
             metrics["comm/time_share"] = (float(ledger.seconds) - self._comm) / dt
             metrics["comm/run_time_share"] = self.comm_share(trainer)
         self.latest = metrics
