@@ -4,7 +4,6 @@ accessor fails loudly (naming the member) when it does not."""
 import lightning as L
 import pytest
 import torch
-import torch.distributed as dist
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.strategies import DDPStrategy
@@ -37,11 +36,6 @@ def test_sigterm_broadcast_of_the_training_epoch_loop():
     assert calls == [trainer.fit_loop.epoch_loop]
 
 
-def test_work_source_rank():
-    # (the async_ps tests receive from any source for real; gloo cannot send to itself at world size 1)
-    assert callable(getattr(dist.Work, "_source_rank", None))
-
-
 def test_fit_progress_schema_of_a_real_checkpoint(tmp_path):
     trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path)
@@ -62,7 +56,7 @@ def test_missing_members_fail_loudly():
     class Bare:
         pass
 
-    for accessor in (lp.ddp_kwargs, lp.process_group_backend, lp.process_group_timeout, lp.work_source_rank,
+    for accessor in (lp.ddp_kwargs, lp.process_group_backend, lp.process_group_timeout,
                      lp.wandb_init_kwargs, lp.layer_sync):
         with pytest.raises(lp.LightningInternalsChanged, match="is gone in this version"):
             accessor(Bare())

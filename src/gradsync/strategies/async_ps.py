@@ -14,7 +14,7 @@ worker
 A shard applies the mean of the gradients it holds as one update. ``max_staleness`` bounds how many
 updates a gradient may lag behind the parameters it is applied to; ``0`` is synchronous SGD (every
 update averages one gradient from each worker, all computed from the same parameters). The rule
-and its proof sketch are in :mod:`gradsync.strategies.ps_server`.
+and its proof sketch are in :mod:`gradsync.algorithms.param_server`.
 
 Lightning's loop stays in charge: validation, checkpoints and the end of fit first wait for every
 worker (a barrier), then read the server's parameters, so every rank evaluates and saves the same,
@@ -32,7 +32,6 @@ Usage::
 """
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations at runtime.
-import threading
 import time
 import warnings
 from typing import Any, Callable, Literal, Optional
@@ -44,7 +43,8 @@ from lightning.pytorch.callbacks import Callback
 from gradsync.errors import GradsyncError, check, spell
 from gradsync.strategies.base import GradsyncStrategy
 from gradsync.comm.ledger import fp32_allreduce_bytes
-from gradsync.strategies.ps_server import PSClient, ServerError, ServerThread, ShardState, split_shards
+from gradsync.algorithms.param_server import ShardState, split_shards
+from gradsync.comm.ps import PSClient, ServerError, ServerThread
 from gradsync.strategies.lightning_private import ddp_kwargs, replace_sigterm_broadcast
 
 
@@ -119,7 +119,6 @@ class AsyncPSStrategy(GradsyncStrategy):
         self.reshard_note: Optional[str] = None
         self.worker_stats = {"steps": 0, "pull_wait_seconds": 0.0, "push_seconds": 0.0,
                              "first_step": None, "last_step": None}
-        self._ledger_lock = threading.Lock()
 
     def build_comm_hook(self) -> Optional[tuple[Any, Callable]]:
         return None, keep_local_hook
@@ -133,10 +132,6 @@ class AsyncPSStrategy(GradsyncStrategy):
         super().setup(trainer)
         if getattr(trainer.state, "fn", None) == "fit":
             self._start(trainer)
-
-    def _record_send(self, nbytes: int) -> None:
-        with self._ledger_lock:
-            self.ledger.record("send", nbytes)
 
     def _start(self, trainer: Any) -> None:
         from lightning.pytorch.plugins.precision import MixedPrecision
@@ -194,12 +189,12 @@ class AsyncPSStrategy(GradsyncStrategy):
             if restored:
                 shard.load(idx, restored["params"], restored["optimizer"])
             thread = ServerThread(shard, request_group=groups[j][0], reply_group=groups[j][1], rank=self.global_rank,
-                                  world_size=world, num_lrs=num_lrs, on_send=self._record_send, name=f"gradsync-ps{j}")
+                                  world_size=world, num_lrs=num_lrs, ledger=self.ledger, name=f"gradsync-ps{j}")
             thread.start()
             self.servers[j] = thread
         self.client = PSClient(params, shards, list(range(len(shards))), groups, self.servers,
                                rank=self.global_rank, num_lrs=num_lrs, timeout=self.timeout_seconds,
-                               on_send=self._record_send)
+                               ledger=self.ledger)
         self._need_pull = True
         self._restored_ps = None
 
@@ -226,8 +221,7 @@ class AsyncPSStrategy(GradsyncStrategy):
             self._call(self.client.pull, what="pull")
             waited = time.perf_counter() - t0
             self.worker_stats["pull_wait_seconds"] += waited
-            with self._ledger_lock:  # the server thread records its replies in the same ledger
-                self.ledger.add_seconds(waited)  # transfer and any wait the staleness bound imposes
+            self.ledger.add_seconds(waited)  # transfer and any wait the staleness bound imposes (the ledger locks)
             self._need_pull = False
             if self.worker_stats["first_step"] is None:
                 self.worker_stats["first_step"] = time.perf_counter()
@@ -256,9 +250,8 @@ class AsyncPSStrategy(GradsyncStrategy):
             lrs = [g["lr"] for g in optimizer.param_groups]
             self._call(self.client.push, grads, what="push", weight=weight, lrs=lrs, skip=skip)
             self.worker_stats["push_seconds"] += time.perf_counter() - t0
-            with self._ledger_lock:
-                self.ledger.add_seconds(time.perf_counter() - t0)
-                self.ledger.add_logical(fp32_allreduce_bytes(sum(p.numel() for p in self._params), self.world_size))
+            self.ledger.add_seconds(time.perf_counter() - t0)
+            self.ledger.add_logical(fp32_allreduce_bytes(sum(p.numel() for p in self._params), self.world_size))
             optimizer.zero_grad()
             # The step happened on the server: tell torch's LR schedulers, which otherwise warn that
             # the scheduler stepped before the optimizer ever did.

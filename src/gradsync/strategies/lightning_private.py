@@ -14,7 +14,6 @@ Members (and what breaks without them):
   default process group is created with (gradsync builds it itself under torchrun restarts).
 * ``_TrainingEpochLoop._broadcast_sigterm_tensor``: a collective Lightning runs every step;
   ``async_ps`` ranks step at different rates, so it replaces it with a local check (else a hang).
-* ``Work._source_rank()`` (torch): the sender of a receive from any source (``async_ps`` server).
 * The fit loop's progress schema in a checkpoint, ``loops/fit_loop/epoch_loop.batch_progress``:
   rescaled when a resume changes the accumulation K.
 * ``WandbLogger._wandb_init``: the arguments Lightning passes to ``wandb.init``.
@@ -74,12 +73,6 @@ def replace_sigterm_broadcast(trainer: Any, local_check: Callable[[Any], None]) 
         raise _missing("_TrainingEpochLoop", "_broadcast_sigterm_tensor",
                        "async_ps could not replace a per-step collective, and its ranks would hang")
     loop._broadcast_sigterm_tensor = types.MethodType(local_check, loop)
-
-
-def work_source_rank(work: Any) -> int:
-    if not hasattr(work, "_source_rank"):
-        raise _missing("torch.distributed.Work", "_source_rank()", "the async_ps server cannot tell who asked")
-    return int(work._source_rank())
 
 
 #: Where a checkpoint keeps the fit loop's micro-batch counters.

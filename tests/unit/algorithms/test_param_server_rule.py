@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from gradsync.strategies.ps_server import ServerError, ShardState, split_shards
+from gradsync.algorithms.param_server import ShardState, split_shards
+from gradsync.comm.ps import ServerError
 
 
 def shard(s, workers=3, lr=1.0, scaling="none"):
