@@ -105,6 +105,7 @@ def test_no_import_cycle_between_gradsync_modules():
     ("import gradsync.strategies.ledger", "gradsync.comm.ledger"),
     ("from gradsync.strategies.codecs import Int8State", "gradsync.comm.build_reducer"),
     ("from gradsync.strategies import CommLedger", "from gradsync.comm import CommLedger"),
+    ("from gradsync.strategies.ps_server import ShardState", "gradsync.algorithms.param_server"),
 ])
 def test_moved_names_answer_with_their_new_spelling_in_one_line(statement, new):
     with pytest.raises(ImportError) as info:
