@@ -18,7 +18,6 @@ A user error prints one line (``gradsync: error: ...``) and exits with status 2.
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 from pathlib import Path
@@ -143,22 +142,6 @@ def _from_configs(argv: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def import_class(path: str, flag: str, base: type) -> type:
-    module_name, _, cls_name = path.rpartition(".")
-    if not module_name:
-        raise UsageError(f"{flag} {path!r} is not an import path; give module.Class, e.g. my_pkg.models.MyModel")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UsageError(f"{flag} {path!r}: cannot import module {module_name!r} ({exc})") from None
-    cls = getattr(module, cls_name, None)
-    if not isinstance(cls, type):
-        raise UsageError(f"{flag} {path!r}: module {module_name!r} has no class {cls_name!r}")
-    if not issubclass(cls, base):
-        raise UsageError(f"{flag} {path!r} must be a subclass of {base.__module__}.{base.__qualname__}")
-    return cls
-
-
 def _selectors(argv: Sequence[str]) -> dict[str, Any]:
     from gradsync import catalog
 
@@ -218,28 +201,11 @@ def precheck(command: str, argv: Sequence[str]) -> None:
 
 
 # ---- phase 2: the full parser for those classes -------------------------------------------
-def strategy_class(name: str) -> Optional[type]:
-    """The class of a gradsync strategy, a plugin's (entry point) or ``module.Class``; None for a
-    stock Lightning strategy name."""
-    from gradsync import catalog
-    from gradsync.platform.run import gradsync_strategy_class
-
-    cls = gradsync_strategy_class(name)
-    if cls is not None:
-        return cls
-    path = catalog.strategy_class_path(name)
-    if path is None:
-        return None
-    from lightning.pytorch.strategies import Strategy
-
-    return import_class(path, "--strategy", Strategy)
-
-
 def build_parser(command: str, sel: dict[str, Any]):
     import lightning as L
     from jsonargparse import ActionConfigFile, ArgumentParser
 
-    from gradsync.platform.run import recipe_entry
+    from gradsync.platform.run import import_class, recipe_entry, strategy_class
 
     entry = recipe_entry(sel["recipe"])
     model_cls = import_class(sel["model_class"], "--model", L.LightningModule) if sel["model_class"] else entry.model
@@ -320,7 +286,7 @@ def parse_run(command: str, argv: Sequence[str]):
     """Parse ``argv`` of a fit/validate/test command into a :class:`RunSpec` (or print help/config)."""
     from jsonargparse import ArgumentError
 
-    from gradsync.platform.run import RunSpec, unknown_strategy_message
+    from gradsync.platform.run import RunSpec, strategy_class, unknown_strategy_message
 
     sel = _selectors(argv)
     if strategy_class(sel["strategy"]) is None:

@@ -106,9 +106,30 @@ def checkpoint_run_info(path: Optional[Path]) -> dict:
     return dict(load_checkpoint_file(path).get("gradsync_run") or {})
 
 
-def gradsync_strategy_class(name: str) -> Optional[type]:
-    """The class of the gradsync strategy named ``name`` (``sync``, ``diloco``, ...), or None."""
-    return STRATEGIES.get(name)
+def import_class(path: str, flag: str, base: type) -> type:
+    """The class at ``module.Class``, a subclass of ``base``; a one-line error naming ``flag`` otherwise."""
+    module_name, _, cls_name = path.rpartition(".")
+    if not module_name:
+        raise GradsyncError(f"{flag} {path!r} is not an import path; give module.Class, e.g. my_pkg.models.MyModel")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise GradsyncError(f"{flag} {path!r}: cannot import module {module_name!r} ({exc})") from None
+    cls = getattr(module, cls_name, None)
+    if not isinstance(cls, type):
+        raise GradsyncError(f"{flag} {path!r}: module {module_name!r} has no class {cls_name!r}")
+    if not issubclass(cls, base):
+        raise GradsyncError(f"{flag} {path!r} must be a subclass of {base.__module__}.{base.__qualname__}")
+    return cls
+
+
+def strategy_class(name: str) -> Optional[type]:
+    """The one strategy lookup: a gradsync strategy's class (``sync``, ``diloco``, ...), a plugin's
+    (registered entry point) or ``module.Class``; None for a stock Lightning strategy name."""
+    if name in STRATEGIES:
+        return STRATEGIES[name]
+    path = strategy_class_path(name)  # a plugin's registered name, or module.Class
+    return import_class(path, "--strategy", Strategy) if path is not None else None
 
 
 def recipe_entry(name: str) -> Any:
@@ -120,12 +141,9 @@ def recipe_entry(name: str) -> Any:
 
 def build_strategy(name: str, options: dict) -> Union[Strategy, str]:
     """A gradsync strategy instance, or a stock Lightning strategy name (which takes no options)."""
-    if name in STRATEGIES:
-        return STRATEGIES[name](**options)
-    path = strategy_class_path(name)  # a plugin's registered name, or module.Class
-    if path is not None:
-        module, _, cls = path.rpartition(".")
-        return getattr(importlib.import_module(module), cls)(**options)
+    cls = strategy_class(name)
+    if cls is not None:
+        return cls(**options)
     if name in StrategyRegistry:
         if options:
             raise GradsyncError(
@@ -365,7 +383,7 @@ def resolve_global_batch(spec: RunSpec, ckpt: Optional[Path]) -> Optional[int]:
     saved = checkpoint_run_info(ckpt).get("global_batch_size")
     if saved is not None:
         return int(saved)
-    if getattr(STRATEGIES.get(spec.strategy), "requires_global_batch", False):
+    if getattr(strategy_class(spec.strategy), "requires_global_batch", False):
         raise GradsyncError(f"--strategy {spec.strategy} needs --global-batch-size G (a multiple of batch size x "
                             f"processes = {spec.micro_batch_size * spec.world_size})")
     return None
