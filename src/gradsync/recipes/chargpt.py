@@ -90,7 +90,52 @@ class Windows(Dataset):
 
 
 # ---- data -------------------------------------------------------------------------------------
-class CharData(RecipeData):
+class TextWindows(RecipeData):
+    """Windows of ``block_size + 1`` ids of a text corpus: non-overlapping for training, a fixed evenly
+    spaced subset of the held-out end for validation. Subclasses say how text becomes ids
+    (:meth:`tokenize`); ``block_size`` is read from the model at set-up."""
+
+    #: what an id is, for messages
+    unit: str = "characters"
+    #: a model that has a ``block_size``, for the message when the model has none
+    example_model: str = "gradsync.recipes.chargpt.CharGPT"
+    # set by the subclass's __init__
+    path: Optional[str]
+    max_chars: Optional[int]
+    val_fraction: float
+    val_windows: int
+    block_size: Optional[int]
+
+    def tokenize(self, text: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def setup(self, stage: str) -> None:
+        if self.train_set is not None:
+            return
+        if self.block_size is None:
+            model = self.trainer.lightning_module if self.trainer is not None else None
+            if getattr(model, "block_size", None) is None:
+                raise GradsyncError(f"{type(self).__name__} needs the model's block_size: train it with a model that "
+                                    f"has one (e.g. {self.example_model}) or set data.block_size first")
+            self.block_size = int(model.block_size)
+        ids = self.tokenize(read_corpus(self.path, self.max_chars))
+        split = int(len(ids) * (1 - self.val_fraction))
+        train, val = ids[:split], ids[split:]
+        block = self.block_size
+        source = self.path or "the standard-library corpus"
+        for part, n in (("training", len(train)), ("validation", len(val))):
+            if n < block + 1:
+                raise GradsyncError(f"{source}: its {part} part has {n} {self.unit}, fewer than block_size + 1 = "
+                                    f"{block + 1}; use a longer text or a smaller --model.block_size")
+        # Training: non-overlapping windows, visited in the order the sampler draws them.
+        self.train_set = Windows(train, block, torch.arange(0, len(train) - block, block))
+        # Validation: a fixed, evenly spaced subset, so its cost does not grow with the corpus.
+        last = len(val) - block - 1
+        count = min(self.val_windows, last + 1)
+        self.val_set = Windows(val, block, torch.linspace(0, last, count).round().long())
+
+
+class CharData(TextWindows):
     """Character windows of a text corpus (default: the Python standard library's source)."""
 
     def __init__(self, *, path: Optional[str] = None, max_chars: Optional[int] = None, val_fraction: float = 0.1,
@@ -112,32 +157,9 @@ class CharData(RecipeData):
         self.vocab: Optional[str] = None
         self.block_size: Optional[int] = None  # the model's context length; read from it in setup()
 
-    def setup(self, stage: str) -> None:
-        if self.train_set is not None:
-            return
-        if self.block_size is None:
-            model = self.trainer.lightning_module if self.trainer is not None else None
-            if getattr(model, "block_size", None) is None:
-                raise GradsyncError("CharData needs the model's block_size: train it with a model that has one "
-                                    "(e.g. gradsync.recipes.chargpt.CharGPT) or set data.block_size first")
-            self.block_size = int(model.block_size)
-        text = read_corpus(self.path, self.max_chars)
+    def tokenize(self, text: str) -> torch.Tensor:
         self.vocab = "".join(sorted(set(text)))
-        ids = encode(text, self.vocab)
-        split = int(len(ids) * (1 - self.val_fraction))
-        train, val = ids[:split], ids[split:]
-        block = self.block_size
-        source = self.path or "the standard-library corpus"
-        for part, n in (("training", len(train)), ("validation", len(val))):
-            if n < block + 1:
-                raise GradsyncError(f"{source}: its {part} part has {n} characters, fewer than block_size + 1 = "
-                                    f"{block + 1}; use a longer text or a smaller --model.block_size")
-        # Training: non-overlapping windows, visited in the order the sampler draws them.
-        self.train_set = Windows(train, block, torch.arange(0, len(train) - block, block))
-        # Validation: a fixed, evenly spaced subset, so its cost does not grow with the corpus.
-        last = len(val) - block - 1
-        count = min(self.val_windows, last + 1)
-        self.val_set = Windows(val, block, torch.linspace(0, last, count).round().long())
+        return encode(text, self.vocab)
 
 
 # ---- model ------------------------------------------------------------------------------------

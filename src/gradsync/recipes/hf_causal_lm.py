@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from gradsync.errors import GradsyncError, check
-from gradsync.recipes.base import Recipe, RecipeData, Scheduler
-from gradsync.recipes.chargpt import Windows, read_corpus
+from gradsync.recipes.base import Recipe, Scheduler
+from gradsync.recipes.chargpt import TextWindows
 
 #: The byte vocabulary: every UTF-8 byte value is a token.
 BYTE_VOCAB_SIZE = 256
@@ -45,8 +45,11 @@ def _transformers() -> Any:
 
 
 # ---- data -------------------------------------------------------------------------------------
-class TextData(RecipeData):
+class TextData(TextWindows):
     """Token windows of a text corpus (default: chargpt's), as bytes or through a local tokenizer."""
+
+    unit = "tokens"
+    example_model = "gradsync.recipes.hf_causal_lm.HFCausalLM"
 
     def __init__(self, *, path: Optional[str] = None, tokenizer: Optional[str] = None,
                  max_chars: Optional[int] = None, val_fraction: float = 0.1, val_windows: int = 256,
@@ -82,27 +85,8 @@ class TextData(RecipeData):
         self.vocab_size = len(tok)
         return torch.tensor(tok(text)["input_ids"], dtype=torch.int32)
 
-    def setup(self, stage: str) -> None:
-        if self.train_set is not None:
-            return
-        if self.block_size is None:
-            model = self.trainer.lightning_module if self.trainer is not None else None
-            if getattr(model, "block_size", None) is None:
-                raise GradsyncError("TextData needs the model's block_size: train it with a model that has one "
-                                    "(e.g. gradsync.recipes.hf_causal_lm.HFCausalLM) or set data.block_size first")
-            self.block_size = int(model.block_size)
-        ids = self.encode(read_corpus(self.path, self.max_chars))
-        split = int(len(ids) * (1 - self.val_fraction))
-        train, val = ids[:split], ids[split:]
-        block = self.block_size
-        for part, n in (("training", len(train)), ("validation", len(val))):
-            if n < block + 1:
-                raise GradsyncError(f"{self.path or 'the standard-library corpus'}: its {part} part has {n} tokens, "
-                                    f"fewer than block_size + 1 = {block + 1}; use a longer text or a smaller "
-                                    "--model.block_size")
-        self.train_set = Windows(train, block, torch.arange(0, len(train) - block, block))
-        last = len(val) - block - 1
-        self.val_set = Windows(val, block, torch.linspace(0, last, min(self.val_windows, last + 1)).round().long())
+    def tokenize(self, text: str) -> torch.Tensor:
+        return self.encode(text)
 
 
 # ---- model ------------------------------------------------------------------------------------
