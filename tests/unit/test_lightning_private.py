@@ -63,3 +63,20 @@ def test_missing_members_fail_loudly():
     with pytest.raises(lp.LightningInternalsChanged, match="batch_progress"):
         lp.fit_batch_progress({"loops": {"fit_loop": {}}})
     assert lp.fit_batch_progress({}) is None  # a checkpoint without a fit loop is not an error
+
+
+def test_mark_optimizer_stepped_silences_the_schedulers_warning():
+    import warnings
+
+    def scheduler_warnings(mark):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+        if mark:
+            lp.mark_optimizer_stepped(opt)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            sched.step()
+        return [w for w in seen if "optimizer.step()" in str(w.message)]
+
+    assert scheduler_warnings(mark=False)  # what async_ps would show every run without it
+    assert not scheduler_warnings(mark=True)

@@ -167,11 +167,19 @@ class Recipe(L.LightningModule):
         return [p for p in self.parameters() if p.requires_grad and p.dim() == 2 and id(p) not in embeddings]
 
     # ---- conventions -----------------------------------------------------------------------
+    @property
+    def attached_trainer(self) -> Optional[Any]:
+        """The Trainer this module is attached to, or None (Lightning's ``trainer`` raises when there is none)."""
+        try:
+            return self.trainer
+        except RuntimeError:
+            return None
+
     def training_step(self, batch: Any, batch_idx: int) -> Union[torch.Tensor, dict]:
         out = self.compute_loss(batch)
         loss, weight = out if isinstance(out, tuple) else (out, None)
         self.log("train_loss", loss, prog_bar=True)
-        if self._trainer is not None and self.trainer.optimizers:
+        if self.attached_trainer is not None and self.trainer.optimizers:
             self.log("lr", float(self.trainer.optimizers[0].param_groups[0]["lr"]), on_step=True, on_epoch=False)
         return loss if weight is None else {"loss": loss, "weight": weight}
 
@@ -210,7 +218,7 @@ class Recipe(L.LightningModule):
     def _decay_steps(self) -> int:
         if self.decay_steps is not None or self.scheduler_name == "constant":
             return self.decay_steps or 0
-        total = self.trainer.estimated_stepping_batches if self._trainer is not None else float("inf")
+        total = self.trainer.estimated_stepping_batches if self.attached_trainer is not None else float("inf")
         check(math.isfinite(total), "decay_steps", self.decay_steps,
               "must be set for a cosine schedule when the run has no length",
               "set --max-steps or --max-epochs, or --model.decay_steps")
@@ -221,7 +229,7 @@ class Recipe(L.LightningModule):
         self._throughput.start()
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        world = self.trainer.world_size if self._trainer is not None else 1
+        world = self.trainer.world_size if self.attached_trainer is not None else 1
         tokens = self.count_tokens(batch)
         rates = self._throughput.end(self.count_samples(batch) * world, None if tokens is None else tokens * world)
         if rates is not None:

@@ -221,7 +221,7 @@ class CharGPT(Recipe):
                                                  dropout=self.dropout))
 
     def setup(self, stage: str) -> None:
-        data = self.trainer.datamodule if self._trainer is not None else None
+        data = self.trainer.datamodule if self.attached_trainer is not None else None
         vocab = getattr(data, "vocab", None)
         if vocab is None and self.net is None:
             raise GradsyncError("CharGPT takes its vocabulary from the data: train it with CharData "

@@ -176,7 +176,7 @@ class HFCausalLM(Recipe):
         self.vocab_size = vocab_size
 
     def setup(self, stage: str) -> None:
-        data = self.trainer.datamodule if self._trainer is not None else None
+        data = self.trainer.datamodule if self.attached_trainer is not None else None
         vocab_size = getattr(data, "vocab_size", None)
         if vocab_size is None and self.net is None:
             raise GradsyncError("HFCausalLM takes its vocabulary size from the data: train it with TextData "

@@ -45,7 +45,7 @@ from gradsync.strategies.base import GradsyncStrategy
 from gradsync.comm.ledger import fp32_allreduce_bytes
 from gradsync.algorithms.param_server import ShardState, split_shards
 from gradsync.comm.ps import PSClient, ServerError, ServerThread
-from gradsync.strategies.lightning_private import ddp_kwargs, replace_sigterm_broadcast
+from gradsync.strategies.lightning_private import ddp_kwargs, mark_optimizer_stepped, replace_sigterm_broadcast
 
 
 def _make_sigterm_check_local(trainer: Any) -> None:
@@ -255,7 +255,7 @@ class AsyncPSStrategy(GradsyncStrategy):
             optimizer.zero_grad()
             # The step happened on the server: tell torch's LR schedulers, which otherwise warn that
             # the scheduler stepped before the optimizer ever did.
-            getattr(optimizer, "optimizer", optimizer)._opt_called = True
+            mark_optimizer_stepped(optimizer)
             self.worker_stats["steps"] += 1
             self.worker_stats["last_step"] = time.perf_counter()
             self._need_pull = True

@@ -433,7 +433,12 @@ class GradsyncStrategy(DDPStrategy):
         # Applied in configure_ddp, once hooks and their state exist (DDP restores before setup).
         manifest = checkpoint.get("gradsync")
         self._restored_algorithm_state = rank_parts.SavedParts(manifest, checkpoint_path) if manifest else None
-        trainer = getattr(self.lightning_module, "_trainer", None) if self.lightning_module is not None else None
+        trainer = None
+        if self.lightning_module is not None:
+            try:
+                trainer = self.lightning_module.trainer
+            except RuntimeError:  # not attached to a Trainer
+                pass
         if manifest and trainer is not None:
             _rescale_micro_batch_progress(checkpoint, int(manifest.get("accumulation_steps", 1)),
                                           int(trainer.accumulate_grad_batches))

@@ -14,6 +14,8 @@ Members (and what breaks without them):
   default process group is created with (gradsync builds it itself under torchrun restarts).
 * ``_TrainingEpochLoop._broadcast_sigterm_tensor``: a collective Lightning runs every step;
   ``async_ps`` ranks step at different rates, so it replaces it with a local check (else a hang).
+* ``Optimizer._opt_called`` (torch): set by ``optimizer.step``; ``async_ps`` steps on the server, so
+  it sets it for torch's LR schedulers (else they warn that the scheduler stepped first).
 * The fit loop's progress schema in a checkpoint, ``loops/fit_loop/epoch_loop.batch_progress``:
   rescaled when a resume changes the accumulation K.
 * ``WandbLogger._wandb_init``: the arguments Lightning passes to ``wandb.init``.
@@ -73,6 +75,12 @@ def replace_sigterm_broadcast(trainer: Any, local_check: Callable[[Any], None]) 
         raise _missing("_TrainingEpochLoop", "_broadcast_sigterm_tensor",
                        "async_ps could not replace a per-step collective, and its ranks would hang")
     loop._broadcast_sigterm_tensor = types.MethodType(local_check, loop)
+
+
+def mark_optimizer_stepped(optimizer: Any) -> None:
+    """Tell torch's LR schedulers that ``optimizer`` has stepped (its step ran elsewhere)."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # Lightning's LightningOptimizer wraps it
+    inner._opt_called = True
 
 
 #: Where a checkpoint keeps the fit loop's micro-batch counters.
