@@ -27,10 +27,11 @@ from typing import Any, Callable, Literal, Optional
 import torch
 
 from gradsync.algorithms import Schedule
+from gradsync.algorithms.compressed import ADAM_OPTIMIZERS, MomentumTakeover
 from gradsync.comm import CODEC_OPTIONS, LOSSY, Codec, build_reducer, check_codec_options
 from gradsync.comm.codecs.common import ParamStore
 from gradsync.comm.ddp import ReducerHookState, reducer_hook
-from gradsync.comm.error_feedback import AdamMoments, MomentumCorrection, SGDMomentum
+from gradsync.comm.error_feedback import MomentumCorrection
 from gradsync.comm.hierarchical import INTER, NodeReducer
 from gradsync.comm.reducer import IdentityReducer, Reducer
 from gradsync.errors import check, spell
@@ -45,8 +46,6 @@ FEEDBACK_CODECS = ("sign", "topk", "powersgd", "sparseloco")
 #: Codecs that compress the SGD velocity rather than the gradient, unless ``momentum_correction``
 #: is off: their error feedback compounds with the optimizer's momentum otherwise (issue 17).
 MOMENTUM_CODECS = ("sign", "topk", "sparseloco")
-#: Optimizers whose step direction the codecs send under momentum correction, besides SGD.
-ADAM_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW)
 #: ... and those of them whose sparse messages mask the velocity where they sent (DGC).
 MASKING_CODECS = ("topk", "sparseloco")
 
@@ -156,9 +155,9 @@ class CompressedStrategy(GradsyncStrategy):
         self._hook_state: Optional[ReducerHookState] = None
         self._velocities = ParamStore()  # shared by the warm-up and the codec reducer
         self._second_moments, self._adam_steps = ParamStore(), {}  # ... and Adam's other moments
-        self._step_momentum: Optional[dict] = None  # the optimizer's settings, frozen during its step
         self._warned: set = set()
-        self._adam_stepping = False
+        # the optimizer's momentum, read at every step and applied once (algorithms.compressed)
+        self._takeover = MomentumTakeover(self._live_optimizers, self._parameter_names, self._warn_once)
         self._local_clip: Optional[LocalClipState] = None  # gradient clipping before compression
 
     @property
@@ -203,10 +202,10 @@ class CompressedStrategy(GradsyncStrategy):
             # the warm-up and the codec's wrapper share every moment, so nothing restarts when compression does
             shared = dict(velocities=self._velocities, second_moments=self._second_moments,
                           adam_steps=self._adam_steps, grad_scale=self._local_gradient_scale)
-            reducer = MomentumCorrection(reducer, settings=self._sgd_momentum, params=params, masking=masking,
+            reducer = MomentumCorrection(reducer, settings=self._takeover.settings, params=params, masking=masking,
                                          worker_feedback=self.codec in MASKING_CODECS,
                                          **shared)
-            warmup = MomentumCorrection(warmup, settings=self._sgd_momentum, params=params, **shared)
+            warmup = MomentumCorrection(warmup, settings=self._takeover.settings, params=params, **shared)
         return reducer, warmup
 
     # ---- momentum correction: the optimizer's momentum, applied once ---------------------------
@@ -225,65 +224,6 @@ class CompressedStrategy(GradsyncStrategy):
             if self._hook_state is not None:
                 self._hook_state.reducer, self._hook_state.warmup = self._build_reducers()
 
-    def _sgd_momentum(self) -> dict:
-        """Parameter name -> :class:`SGDMomentum` of every parameter whose optimizer applies momentum.
-
-        Inside :meth:`optimizer_step` (where automatic optimization runs backward) the settings
-        read before the optimizer's momentum was set to 0; elsewhere (manual optimization) live.
-        """
-        if self._step_momentum is not None:
-            return self._step_momentum
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        return self._read_momentum(trainer.optimizers if trainer is not None else [])[0]
-
-    def _read_momentum(self, optimizers: list) -> tuple[dict, list]:
-        """The settings by name, and the param groups whose momentum the codec takes over."""
-        names = {id(p): name for name, p in self.lightning_module.named_parameters()}
-        settings: dict = {}
-        groups: list = []
-        for opt in optimizers:
-            if isinstance(opt, ADAM_OPTIMIZERS):
-                adam = self._read_adam(opt, names)
-                if adam is not None:
-                    settings.update(adam)
-                continue
-            if not isinstance(opt, torch.optim.SGD):
-                self._warn_once(type(opt).__name__,
-                                f"compressed: momentum correction applies to torch.optim.SGD, Adam and AdamW; "
-                                f"{type(opt).__name__} is sent plain gradients ({spell('momentum_correction', False)} "
-                                f"silences this)")
-                continue
-            for group in opt.param_groups:
-                if group.get("maximize"):
-                    self._warn_once("maximize", "compressed: momentum correction skips SGD parameter groups with "
-                                    "maximize=True; their momentum is applied by the optimizer")
-                    continue
-                if not group.get("momentum"):
-                    continue  # nothing to take over: plain SGD sees the compressed gradient, as without correction
-                s = SGDMomentum(momentum=float(group["momentum"]), dampening=float(group.get("dampening", 0.0)),
-                                nesterov=bool(group.get("nesterov", False)),
-                                weight_decay=float(group.get("weight_decay", 0.0)))
-                settings.update({names[id(p)]: s for p in group["params"] if id(p) in names})
-                groups.append(group)
-        return settings, groups
-
-    def _read_adam(self, opt: Any, names: dict) -> Optional[dict]:
-        """Name -> :class:`AdamMoments` for every parameter of ``opt`` (Adam or AdamW), or None when
-        some group uses an option the correction does not reproduce (it then gets plain gradients)."""
-        unsupported = [k for k in ("amsgrad", "maximize") if any(g.get(k) for g in opt.param_groups)]
-        if unsupported:
-            self._warn_once(f"adam-{unsupported}", f"compressed: momentum correction does not reproduce "
-                            f"{type(opt).__name__}({'=True, '.join(unsupported)}=True); it is sent plain gradients")
-            return None
-        decoupled = isinstance(opt, torch.optim.AdamW) or any(g.get("decoupled_weight_decay") for g in opt.param_groups)
-        out = {}
-        for group in opt.param_groups:
-            beta1, beta2 = (float(b) for b in group["betas"])
-            s = AdamMoments(beta1=beta1, beta2=beta2, eps=float(group["eps"]),
-                            weight_decay=0.0 if decoupled else float(group.get("weight_decay", 0.0)))
-            out.update({names[id(p)]: s for p in group["params"] if id(p) in names})
-        return out
-
     def _local_gradient_scale(self) -> float:
         """What turns this rank's gradient into its mean gradient: a weighted loss back-propagates
         ``sum_mb w * grad / K``; its Adam direction needs ``grad / w`` (the moments are not linear)."""
@@ -292,38 +232,8 @@ class CompressedStrategy(GradsyncStrategy):
         return 1.0
 
     def _normalize_weighted_gradients(self, optimizer: Any) -> None:
-        if not self._adam_stepping:  # a delivered Adam direction is normalized already
+        if not self._takeover.applying_direction:  # a delivered Adam direction is normalized already
             super()._normalize_weighted_gradients(optimizer)
-
-    def _adam_step(self, optimizer: Any, closure: Callable[[], Any], model: Any, **kwargs: Any) -> Any:
-        """Apply the delivered mean of the ranks' Adam directions: ``w <- w - lr (mean + decoupled wd w)``.
-
-        The optimizer's own ``step`` is replaced for this one call: its moments are not used (each
-        rank's are kept by the codec's :class:`MomentumCorrection` and checkpointed there)."""
-        decoupled = isinstance(optimizer, torch.optim.AdamW) or any(
-            g.get("decoupled_weight_decay") for g in optimizer.param_groups)
-
-        @torch.no_grad()
-        def step(closure: Optional[Callable[[], Any]] = None) -> Any:
-            with torch.enable_grad():
-                loss = closure() if closure is not None else None
-            for group in optimizer.param_groups:
-                lr = float(group["lr"])
-                for p in group["params"]:
-                    if p.grad is None:
-                        continue
-                    if decoupled and group.get("weight_decay"):
-                        p.mul_(1.0 - lr * float(group["weight_decay"]))
-                    p.add_(p.grad, alpha=-lr)
-            return loss
-
-        optimizer.step = step
-        self._adam_stepping = True
-        try:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        finally:
-            del optimizer.step  # back to the class's own step
-            self._adam_stepping = False
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         out = self._optimizer_step(optimizer, closure, model, **kwargs)
@@ -334,38 +244,23 @@ class CompressedStrategy(GradsyncStrategy):
         if not self.corrects_momentum:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         trainer = self.lightning_module.trainer
-        if self._local_clip is None:
-            return self._corrected_step(trainer, optimizer, closure, model, **kwargs)
-        # each rank's gradient was clipped before compression (local_clip_hook): Lightning must not
-        # clip again what arrives (a mean velocity or Adam direction)
-        clip_val, trainer.gradient_clip_val = trainer.gradient_clip_val, None
+        clip_val = trainer.gradient_clip_val
+        if self._local_clip is not None:
+            # each rank's gradient was clipped before compression (local_clip_hook): Lightning must not
+            # clip again what arrives (a mean velocity or Adam direction)
+            trainer.gradient_clip_val = None
         try:
-            return self._corrected_step(trainer, optimizer, closure, model, **kwargs)
+            with self._takeover.step(optimizer):
+                return super().optimizer_step(optimizer, closure, model, **kwargs)
         finally:
             trainer.gradient_clip_val = clip_val
 
-    def _corrected_step(self, trainer: Any, optimizer: Any, closure: Callable[[], Any], model: Any,
-                        **kwargs: Any) -> Any:
-        self._step_momentum, groups = self._read_momentum(list(trainer.optimizers) or [optimizer])
-        names = {id(p): name for name, p in self.lightning_module.named_parameters()}
-        if isinstance(optimizer, ADAM_OPTIMIZERS) and any(
-                names.get(id(p)) in self._step_momentum for g in optimizer.param_groups for p in g["params"]):
-            try:
-                return self._adam_step(optimizer, closure, model, **kwargs)
-            finally:
-                self._step_momentum = None
-        # The velocity already holds momentum and weight decay: this step applies the delivered
-        # mean as plain SGD. Restored before anything else (scheduler, checkpoint) sees the groups.
-        mine = {id(g) for g in getattr(optimizer, "param_groups", [])}
-        saved = [(g, g["momentum"], g["weight_decay"]) for g in groups if id(g) in mine]
-        for g, _, _ in saved:
-            g["momentum"], g["weight_decay"] = 0.0, 0.0
-        try:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        finally:
-            for g, momentum, weight_decay in saved:
-                g["momentum"], g["weight_decay"] = momentum, weight_decay
-            self._step_momentum = None
+    def _live_optimizers(self) -> list:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return list(trainer.optimizers) if trainer is not None else []
+
+    def _parameter_names(self) -> dict:
+        return {id(p): name for name, p in self.lightning_module.named_parameters()}
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned and self.global_rank == 0:
