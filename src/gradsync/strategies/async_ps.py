@@ -44,6 +44,9 @@ from gradsync.errors import GradsyncError, check, spell
 from gradsync.strategies.base import GradsyncStrategy
 from gradsync.comm.ledger import fp32_allreduce_bytes
 from gradsync.algorithms.param_server import ShardState, split_shards
+from gradsync.algorithms.ps_worker import (
+    WorkerClock, lost_report, merge_saved_shards, shard_optimizer, shard_stats, summarize,
+)
 from gradsync.comm.ps import PSClient, ServerError, ServerThread
 from gradsync.strategies.lightning_private import ddp_kwargs, mark_optimizer_stepped, replace_sigterm_broadcast
 
@@ -117,8 +120,7 @@ class AsyncPSStrategy(GradsyncStrategy):
         self._restored_ps: Optional[dict] = None
         self._final_stats: Optional[dict] = None
         self.reshard_note: Optional[str] = None
-        self.worker_stats = {"steps": 0, "pull_wait_seconds": 0.0, "push_seconds": 0.0,
-                             "first_step": None, "last_step": None}
+        self.clock = WorkerClock()
 
     def build_comm_hook(self) -> Optional[tuple[Any, Callable]]:
         return None, keep_local_hook
@@ -149,8 +151,8 @@ class AsyncPSStrategy(GradsyncStrategy):
               f"must be <= the number of trainable parameter tensors ({len(params)})")
         self._params = params
         optimizer = self.optimizers[0]
-        group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
-        missing = [i for i, p in enumerate(params) if id(p) not in group_of]
+        in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        missing = [i for i, p in enumerate(params) if id(p) not in in_optimizer]
         if missing:
             raise GradsyncError(f"async_ps: {len(missing)} trainable parameters are not in the optimizer; "
                                 "give every trainable parameter to the optimizer or freeze it")
@@ -170,19 +172,7 @@ class AsyncPSStrategy(GradsyncStrategy):
             if j != self.global_rank:
                 continue
             init = [restored["params"][i] if restored else params[i] for i in idx]
-            lr_groups = sorted({group_of[id(params[i])] for i in idx})
-
-            def make_optimizer(copies: list, idx: list = idx, lr_groups: list = lr_groups) -> torch.optim.Optimizer:
-                param_groups = []
-                for wg in lr_groups:
-                    hyper = {k: v for k, v in optimizer.param_groups[wg].items() if k != "params"}
-                    mine = [c for c, i in zip(copies, idx) if group_of[id(params[i])] == wg]
-                    param_groups.append({**hyper, "params": mine})
-                try:
-                    return type(optimizer)(param_groups, **optimizer.defaults)
-                except TypeError:
-                    return type(optimizer)(param_groups)
-
+            make_optimizer, lr_groups = shard_optimizer(optimizer, params, idx)
             shard = ShardState(init, make_optimizer, lr_groups, num_workers=world, max_staleness=self.max_staleness,
                                staleness_scaling=self.staleness_scaling,
                                version=int(restored["versions"].get(j, restored["version"])) if restored else 0)
@@ -220,11 +210,9 @@ class AsyncPSStrategy(GradsyncStrategy):
             t0 = time.perf_counter()
             self._call(self.client.pull, what="pull")
             waited = time.perf_counter() - t0
-            self.worker_stats["pull_wait_seconds"] += waited
+            self.clock.pulled(waited)
             self.ledger.add_seconds(waited)  # transfer and any wait the staleness bound imposes (the ledger locks)
             self._need_pull = False
-            if self.worker_stats["first_step"] is None:
-                self.worker_stats["first_step"] = time.perf_counter()
         return super().training_step(*args, **kwargs)
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -249,15 +237,13 @@ class AsyncPSStrategy(GradsyncStrategy):
             t0 = time.perf_counter()
             lrs = [g["lr"] for g in optimizer.param_groups]
             self._call(self.client.push, grads, what="push", weight=weight, lrs=lrs, skip=skip)
-            self.worker_stats["push_seconds"] += time.perf_counter() - t0
             self.ledger.add_seconds(time.perf_counter() - t0)
             self.ledger.add_logical(fp32_allreduce_bytes(sum(p.numel() for p in self._params), self.world_size))
             optimizer.zero_grad()
             # The step happened on the server: tell torch's LR schedulers, which otherwise warn that
             # the scheduler stepped before the optimizer ever did.
             mark_optimizer_stepped(optimizer)
-            self.worker_stats["steps"] += 1
-            self.worker_stats["last_step"] = time.perf_counter()
+            self.clock.pushed(time.perf_counter() - t0)
             self._need_pull = True
             return result
         finally:
@@ -269,32 +255,8 @@ class AsyncPSStrategy(GradsyncStrategy):
         except ServerError as exc:
             raise GradsyncError(str(exc)) from exc
         except (RuntimeError, TimeoutError) as exc:  # gloo: a peer closed its connection or stopped answering
-            raise GradsyncError(self._lost_report(what or getattr(fn, "__name__", "request"), exc)) from exc
-
-    def _lost_report(self, what: str, exc: BaseException) -> str:
-        """One line naming the likely lost worker, from the local server's view of its workers."""
-        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        detail = detail.split("] ", 1)[-1].split(". This is", 1)[0]
-        msg = f"async_ps: lost contact with another process during {what} on rank {self.global_rank} ({detail})"
-        seen: dict = {}
-        computing: dict = {}
-        for thread in self.servers.values():
-            with thread.lock:
-                seen.update(thread.last_seen)
-                computing.update({w: v for w, (state, v) in thread.shard.claims.items() if state == "pulled"})
-        if seen:
-            now = time.monotonic()
-            ages = {w: now - t for w, (t, _) in seen.items()}
-            ages.update({w: float("inf") for w in range(self.world_size) if w not in ages})
-            parts = ", ".join(f"rank {w} {'never' if ages[w] == float('inf') else f'{ages[w]:.1f} s ago'}"
-                              + (f" at version {seen[w][1]}" if w in seen else "") for w in sorted(ages))
-            msg += f"; last request per worker: {parts}"
-            # a worker that pulled and never pushed is the one the others were waiting for
-            suspects = sorted(computing, key=lambda w: (computing[w], -ages[w])) or [max(ages, key=lambda w: ages[w])]
-            w = suspects[0]
-            held = f" (pulled version {computing[w]} and never pushed)" if w in computing else ""
-            msg += f"; rank {w} is the likely lost worker{held}"
-        return msg + ("; torchrun --max-restarts (gradsync --max-restarts N) restarts the job from last.ckpt")
+            raise GradsyncError(lost_report(what or getattr(fn, "__name__", "request"), exc, rank=self.global_rank,
+                                             world_size=self.world_size, servers=self.servers)) from exc
 
     def _read_server(self) -> None:
         """Wait for every worker, then take the server's parameters (same on every rank)."""
@@ -328,7 +290,7 @@ class AsyncPSStrategy(GradsyncStrategy):
     # ---- algorithm state ---------------------------------------------------------------------------
     def algorithm_state_dict(self) -> dict:
         state = super().algorithm_state_dict()
-        state["worker_stats"] = {k: v for k, v in self.worker_stats.items() if k in ("steps",)}
+        state["worker_stats"] = {"steps": self.clock.steps}
         state["shards"] = {}
         for j, thread in self.servers.items():
             with thread.lock:
@@ -341,20 +303,13 @@ class AsyncPSStrategy(GradsyncStrategy):
         if not saved:
             return
         parts = saved.all()  # every shard's server state, whichever rank hosted it
-        merged: dict = {"params": {}, "optimizer": {}, "versions": {}, "version": 0}
-        shard_count = 0
-        for part in parts:
-            for j, shard in part.get("shards", {}).items():
-                merged["params"].update(shard["params"])
-                merged["optimizer"].update(shard["optimizer"])
-                merged["versions"][int(j)] = shard["version"]
-                shard_count += 1
-        if shard_count:
-            merged["version"] = max(merged["versions"].values())
+        merged, shard_count = merge_saved_shards(parts)
+        if merged is not None:
             self._restored_ps = merged
         same = len(parts) == self.world_size and shard_count == self.num_servers
         if not same:
-            merged["versions"] = {}  # a new sharding continues from the newest shard's count
+            if merged is not None:
+                merged["versions"] = {}  # a new sharding continues from the newest shard's count
             self.reshard_note = (f"async_ps: checkpoint was written by {len(parts)} processes with {shard_count} "
                                  f"server shard(s), this run has {self.world_size} with {self.num_servers}; kept the "
                                  "server parameters, optimizer state and update count, re-sharded them")
@@ -365,19 +320,7 @@ class AsyncPSStrategy(GradsyncStrategy):
 
     # ---- reporting ---------------------------------------------------------------------------------
     def _local_stats(self) -> dict:
-        ws = dict(self.worker_stats)
-        first, last = ws.pop("first_step"), ws.pop("last_step")
-        seconds = (last - first) if first is not None and last is not None else 0.0
-        ws["seconds"] = round(seconds, 4)
-        # steps after the first one, over the time between the first pull and the last push
-        ws["steps_per_second"] = round((ws["steps"] - 1) / seconds, 3) if seconds > 0 and ws["steps"] > 1 else None
-        ws["pull_wait_seconds"] = round(ws["pull_wait_seconds"], 4)
-        ws["push_seconds"] = round(ws["push_seconds"], 4)
-        shards = {}
-        for j, thread in self.servers.items():
-            with thread.lock:
-                shards[j] = {**thread.shard.stats(), "staleness": dict(thread.shard.staleness)}
-        return {"rank": self.global_rank, "worker": ws, "shards": shards}
+        return {"rank": self.global_rank, "worker": self.clock.summary(), "shards": shard_stats(self.servers)}
 
     def run_stats(self) -> dict:
         """Staleness distribution, server counters and each worker's step rate (collective)."""
@@ -387,24 +330,5 @@ class AsyncPSStrategy(GradsyncStrategy):
             dist.all_gather_object(parts, local)
         else:
             parts = [local]
-        shards = {j: s for p in parts for j, s in p["shards"].items()}
-        first = shards[min(shards)] if shards else {"staleness": {}}
-        hist = {int(k): int(v) for k, v in first["staleness"].items()}
-        n = sum(hist.values())
-        return {
-            "max_staleness": self.max_staleness,
-            "num_servers": self.num_servers,
-            "staleness_scaling": self.staleness_scaling,
-            # every gradient is applied once per shard; shard 0's view is the distribution
-            "staleness": {str(k): hist[k] for k in sorted(hist)},
-            "staleness_mean": round(sum(k * v for k, v in hist.items()) / n, 4) if n else None,
-            "staleness_max_observed": max(hist) if hist else None,
-            "server_updates": first.get("updates"),
-            "server_version": first.get("version"),
-            "gradients_per_update": (round(first["gradients_applied"] / first["updates"], 3)
-                                     if first.get("updates") else None),
-            "pushes": sum(s["pushes"] for s in shards.values()),
-            "pulls": sum(s["pulls"] for s in shards.values()),
-            "shards": {str(j): {k: v for k, v in s.items() if k != "staleness"} for j, s in sorted(shards.items())},
-            "workers": [{"rank": p["rank"], **p["worker"]} for p in parts],
-        }
+        return summarize(parts, max_staleness=self.max_staleness, num_servers=self.num_servers,
+                         staleness_scaling=self.staleness_scaling)
