@@ -26,8 +26,6 @@ import inspect
 import logging
 import os
 import re
-import secrets
-import warnings
 from datetime import timedelta
 from typing import Any, Callable, ClassVar, Literal, Optional
 
@@ -36,13 +34,15 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 
 from gradsync.comm.ledger import CommLedger
-from gradsync.comm.topology import Topology, launcher_layout
+from gradsync.comm.topology import Topology
 from gradsync.errors import GradsyncError, check, spell
 from gradsync.strategies import parts as rank_parts
 from gradsync.strategies.lightning_private import (
-    fit_batch_progress, layer_sync, process_group_backend, process_group_timeout, set_layer_sync,
+    layer_sync, process_group_backend, process_group_timeout, set_layer_sync,
     set_process_group_backend,
 )
+from gradsync.strategies.checkpointing import RankCheckpointing
+from gradsync.strategies.scope import NodeScope
 from gradsync.strategies.sync_batchnorm import layer_sync_for
 
 Backend = Literal["auto", "nccl", "gloo"]
@@ -55,7 +55,7 @@ _UNUSED_PARAMETERS = re.compile(r"Expected to have finished reduction in the pri
 _DDP_OPTIONS = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "find_unused_parameters")
 
 
-class GradsyncStrategy(DDPStrategy):
+class GradsyncStrategy(RankCheckpointing, NodeScope, DDPStrategy):
     """Base of all gradsync strategies. Not registered itself; subclasses set ``strategy_name``."""
 
     strategy_name: ClassVar[str] = ""
@@ -146,7 +146,8 @@ class GradsyncStrategy(DDPStrategy):
             strategy_registry.register(cls.strategy_name, cls, description=cls.describe(), override=True)
 
     # ---- process group ---------------------------------------------------------------------
-    def _get_process_group_backend(self) -> str:
+    def resolved_backend(self) -> str:
+        """The process-group backend this job uses: the one given, else NCCL on CUDA and gloo elsewhere."""
         backend = process_group_backend(self) or ("nccl" if self.root_device.type == "cuda" else "gloo")
         check(not (backend == "nccl" and self.root_device.type != "cuda"), "backend", backend,
               "NCCL needs CUDA devices", "use backend gloo or --accelerator gpu")
@@ -158,7 +159,7 @@ class GradsyncStrategy(DDPStrategy):
         # across restarts, and restarted workers would otherwise read dead workers' addresses.
         if not dist.is_initialized() and "TORCHELASTIC_RESTART_COUNT" in os.environ and "MASTER_ADDR" in os.environ:
             self.set_world_ranks()
-            set_process_group_backend(self, self._get_process_group_backend())
+            set_process_group_backend(self, self.resolved_backend())
             from lightning.fabric.utilities.seed import reset_seed
 
             reset_seed()
@@ -173,59 +174,13 @@ class GradsyncStrategy(DDPStrategy):
             dist.init_process_group(process_group_backend(self), store=dist.PrefixStore(prefix, store),
                                     rank=rank, world_size=world, timeout=process_group_timeout(self))
         else:
+            # Lightning picks the same default; the backend is settled first so that NCCL on CPU
+            # devices fails in one line before any group is built
+            set_process_group_backend(self, self.resolved_backend())
             super().setup_distributed()
         self.ledger.world_size = self.world_size
         if dist.is_available() and dist.is_initialized():
             self.topology = self.build_topology()
-
-    # ---- node scope ------------------------------------------------------------------------
-    #: ``world``: every rank alike; ``node``: fast synchronization inside a node, the strategy's
-    #: thrifty one across nodes. Strategies that offer it take ``scope`` and ``procs_per_node``.
-    scope: str = "world"
-    #: Forced layout (ranks 0..K-1 play node 0, ...); None reads it from torchrun / SLURM.
-    procs_per_node: Optional[int] = None
-
-    def _set_scope(self, scope: str, procs_per_node: Optional[int]) -> None:
-        check(scope in ("world", "node"), "scope", scope,
-              "must be world (every rank alike) or node (sync inside a node, the strategy across nodes)",
-              f"e.g. {spell('scope', 'node')}")
-        check(procs_per_node is None or (isinstance(procs_per_node, int) and not isinstance(procs_per_node, bool)
-                                         and procs_per_node >= 1), "procs_per_node", procs_per_node,
-              "must be an integer >= 1 (processes that play one node)",
-              "omit it to take the layout from torchrun / SLURM")
-        self.scope, self.procs_per_node = scope, procs_per_node
-
-    def check_layout(self, world_size: int, num_nodes: int) -> None:
-        """Refuse a node scope the job's layout cannot serve (called by the CLI and at set-up)."""
-        if self.scope != "node":
-            return
-        k = self.procs_per_node
-        if k is not None:
-            check(world_size % k == 0, "procs_per_node", k, f"must divide the number of processes ({world_size})",
-                  f"e.g. {spell('procs_per_node', 1)} (every process plays a node)")
-            return
-        check(num_nodes > 1, "scope", "node",
-              f"synchronizes across nodes, and this run has 1 node ({world_size} process(es))",
-              f"use {spell('scope', 'world')}, or {spell('procs_per_node')} K to let K processes play one node")
-
-    def wants_node_groups(self) -> bool:
-        """True when the strategy synchronizes per node (it gets intra- and inter-node groups)."""
-        return self.scope == "node"
-
-    def build_topology(self) -> Topology:
-        """gradsync's process groups for this job (a collective call, made once at set-up)."""
-        world = dist.get_world_size()
-        if self.procs_per_node is None:
-            self.check_layout(world, launcher_layout(world)[1])
-        else:
-            self.check_layout(world, 0)
-        return Topology.build(procs_per_node=self.procs_per_node, node_groups=self.wants_node_groups(),
-                              timeout=process_group_timeout(self))
-
-    @property
-    def comm_group(self) -> Optional[dist.ProcessGroup]:
-        """gradsync's own group of every rank, where reducers run (None before set-up)."""
-        return self.topology.world if self.topology is not None else None
 
     # ---- training loop -----------------------------------------------------------------------
     def setup(self, trainer: Any) -> None:
@@ -363,87 +318,6 @@ class GradsyncStrategy(DDPStrategy):
             state, hook = built
             self.model.register_comm_hook(state, hook)
 
-    # ---- reporting -------------------------------------------------------------------------
-    def run_stats(self) -> dict:
-        """Strategy-specific figures for the run summary (``strategy_stats``). Called on every rank."""
-        return {}
-
-    # ---- algorithm state -------------------------------------------------------------------
-    def algorithm_state_dict(self) -> dict:
-        """This rank's algorithm state (tensors on CPU). Subclasses extend it; keep the ledger."""
-        return {"ledger": self.ledger.state_dict()}
-
-    def load_algorithm_state_dict(self, state: dict) -> None:
-        """Restore this rank's part of :meth:`algorithm_state_dict`."""
-        if "ledger" in state:
-            world = self.ledger.world_size
-            self.ledger.load_state_dict(state["ledger"])
-            self.ledger.world_size = world
-
-    def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Optional[Any] = None) -> None:
-        # Every rank reaches here (Trainer.save_checkpoint runs on all ranks). Each writes its own
-        # part of the algorithm state next to the checkpoint; only a token and a flag cross the
-        # network, and rank 0 commits the manifest once every part is on disk (see parts.py).
-        local = _to_cpu(self.algorithm_state_dict())
-        token = self._checkpoint_token()
-        path = str(filepath)
-        failure = ""
-        try:
-            rank_parts.write_part(path, self.global_rank, token, local)
-        except OSError as exc:
-            failure = f"rank {self.global_rank} could not write its checkpoint part under {rank_parts.parts_dir(path)}: {exc}"
-        if not self._all_ranks_ok(not failure):
-            raise GradsyncError(failure or f"checkpoint {path} not written: another rank could not write its part "
-                                           "(its error is in that rank's log); the previous checkpoint is intact")
-        checkpoint["gradsync"] = {"strategy": self.strategy_name, "world_size": self.world_size, "token": token,
-                                  "parts": rank_parts.parts_dir(path).name,
-                                  "accumulation_steps": self.accumulation_steps, **self.checkpoint_layout()}
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # rank 0 commits
-        # Once the new manifest is in place (rank 0 says so), no manifest names the older parts.
-        if self._all_ranks_ok(True):
-            rank_parts.remove_stale_parts(path, self.global_rank, keep={token})
-
-    def checkpoint_layout(self) -> dict:
-        """Facts about the job a resume needs to reshard (e.g. processes per node); JSON-able."""
-        if self.scope != "node" or self.topology is None:
-            return {}
-        return {"scope": "node", "procs_per_node": self.topology.procs_per_node, "num_nodes": self.topology.num_nodes}
-
-    def remove_checkpoint(self, filepath: Any) -> None:
-        rank_parts.remove_parts(filepath, self.global_rank)
-        super().remove_checkpoint(filepath)
-
-    def _checkpoint_token(self) -> str:
-        """A fresh token for a save, the same on every rank (8 random bytes from rank 0)."""
-        raw = torch.tensor(list(secrets.token_bytes(8)), dtype=torch.uint8)
-        if self._distributed():
-            raw = raw.to(self.root_device)
-            self.ledger.broadcast(raw, src=0, purpose="checkpoint")
-        return bytes(raw.cpu().tolist()).hex()
-
-    def _all_ranks_ok(self, ok: bool) -> bool:
-        flag = torch.tensor([0 if ok else 1], dtype=torch.int32)
-        if self._distributed():
-            flag = flag.to(self.root_device)
-            self.ledger.all_reduce(flag, purpose="checkpoint")
-        return int(flag.item()) == 0
-
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        # Applied in configure_ddp, once hooks and their state exist (DDP restores before setup).
-        manifest = checkpoint.get("gradsync")
-        self._restored_algorithm_state = rank_parts.SavedParts(manifest, checkpoint_path) if manifest else None
-        trainer = None
-        if self.lightning_module is not None:
-            try:
-                trainer = self.lightning_module.trainer
-            except RuntimeError:  # not attached to a Trainer
-                pass
-        if manifest and trainer is not None:
-            _rescale_micro_batch_progress(checkpoint, int(manifest.get("accumulation_steps", 1)),
-                                          int(trainer.accumulate_grad_batches))
-        return checkpoint
-
     def configure_ddp(self) -> None:
         super().configure_ddp()
         if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
@@ -451,49 +325,10 @@ class GradsyncStrategy(DDPStrategy):
         self._apply_restored_state()
         self._restored_algorithm_state = None
 
-    def _apply_restored_state(self) -> None:
-        saved = self._restored_algorithm_state
-        if not saved:
-            return
-        if saved.world_size != self.world_size or not self.same_layout(saved.manifest):
-            self._saved_manifest = saved.manifest
-            state = self.reshard_algorithm_state(saved.all(), saved.world_size)
-        else:
-            state = saved.part(self.global_rank)
-        if state is not None:
-            self.load_algorithm_state_dict(state)
-
-    _saved_manifest: Optional[dict] = None
-
-    def written_by(self, saved_world_size: int) -> str:
-        """'checkpoint was written by 2 processes (2 node(s) x 1), this run has 4 (2 node(s) x 2)', for warnings."""
-        def layout(manifest: Optional[dict]) -> str:
-            if manifest and manifest.get("procs_per_node"):
-                return f" ({manifest['num_nodes']} node(s) x {manifest['procs_per_node']})"
-            return ""
-        return (f"checkpoint was written by {saved_world_size} processes{layout(self._saved_manifest)}, "
-                f"this run has {self.world_size}{layout(self.checkpoint_layout())}")
-
-    def same_layout(self, manifest: dict) -> bool:
-        """Whether a checkpoint's parts map one to one onto this job's ranks (beyond the world size)."""
-        mine = self.checkpoint_layout()
-        return all(manifest.get(k) == v for k, v in mine.items()) and (bool(mine) or "procs_per_node" not in manifest)
-
-    def reshard_algorithm_state(self, parts: list, saved_world_size: int) -> Optional[dict]:
-        """Map state saved on ``saved_world_size`` ranks onto this world size.
-
-        The default keeps the ledger totals of rank 0 and resets everything else, with a warning
-        that names what was reset. Subclasses with per-rank state override this.
-        """
-        reset = sorted(k for k in parts[0] if k != "ledger")
-        if reset and self.global_rank == 0:
-            warnings.warn(
-                f"{self.strategy_name}: {self.written_by(saved_world_size)}; "
-                f"reset per-rank algorithm state: {', '.join(reset)}",
-                stacklevel=2,
-            )
-        return {"ledger": parts[0].get("ledger", {})}
-
+    # ---- reporting -------------------------------------------------------------------------
+    def run_stats(self) -> dict:
+        """Strategy-specific figures for the run summary (``strategy_stats``). Called on every rank."""
+        return {}
 
 _exit_state: list = []  # the latest trainer state; the exit hook is installed once per process
 
@@ -528,39 +363,4 @@ def _destroy_default_group() -> None:
         pass
     dist.destroy_process_group()
 
-
-def _rescale_micro_batch_progress(checkpoint: dict, old_k: int, new_k: int) -> None:
-    """Re-express the fit loop's micro-batch counters for a new accumulation K.
-
-    Lightning counts batches in micro-batches and decides when to step from that count; resuming
-    with the same global batch on another world size changes K, and unscaled counters would misalign
-    the accumulation windows (a step after too few micro-batches). Optimizer steps are unchanged.
-    """
-    if old_k == new_k:
-        return
-    progress = fit_batch_progress(checkpoint)
-    if not progress:
-        return
-    for part in ("total", "current"):
-        counts = progress.get(part)
-        if not counts:
-            continue
-        ready = counts["ready"]
-        if (ready * new_k) % old_k:
-            warnings.warn(f"resume: {ready} micro-batches of {old_k} per step cannot be re-expressed with {new_k} "
-                          "micro-batches per step; accumulation windows may be misaligned", stacklevel=3)
-            return
-        lag = {k: ready - v for k, v in counts.items()}
-        new_ready = ready * new_k // old_k  # same optimizer steps, new micro-batches per step
-        progress[part] = {k: new_ready - lag[k] for k in counts}
-
-
-def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().clone()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
 
