@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 from pathlib import Path
-from typing import Any, NoReturn, Optional
+from typing import Any, NoReturn
 
 from gradsync.errors import GradsyncError, OptionError
 

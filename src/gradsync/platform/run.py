@@ -19,11 +19,10 @@ import lightning as L
 from lightning.pytorch.utilities.model_helpers import is_overridden
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
 from gradsync.catalog import strategy_class_path
-from gradsync.errors import GradsyncError, check
+from gradsync.errors import GradsyncError
 from gradsync.platform.checkpoint import AtomicCheckpointIO, atomic_torch_save, load_checkpoint_file
 from gradsync.platform.steps import TrainingStepLimit, micro_batch_of, training_steps
 from gradsync.platform.trainer_args import changed as changed_trainer_options

@@ -13,7 +13,6 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
