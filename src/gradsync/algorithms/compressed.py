@@ -44,9 +44,9 @@ def read_settings(optimizers: list, names: Mapping[int, str], warn: Warn) -> tup
             settings.update(_read_adam(opt, names, warn) or {})
             continue
         if not isinstance(opt, torch.optim.SGD):
-            warn(type(opt).__name__, f"compressed: momentum correction applies to torch.optim.SGD, Adam and AdamW; "
-                                     f"{type(opt).__name__} is sent plain gradients ({spell('momentum_correction', False)} "
-                                     "silences this)")
+            name = type(opt).__name__
+            warn(name, f"compressed: momentum correction applies to torch.optim.SGD, Adam and AdamW; {name} is "
+                       f"sent plain gradients ({spell('momentum_correction', False)} silences this)")
             continue
         for group in opt.param_groups:
             if group.get("maximize"):
@@ -66,8 +66,8 @@ def read_settings(optimizers: list, names: Mapping[int, str], warn: Warn) -> tup
 def _read_adam(opt: Any, names: Mapping[int, str], warn: Warn) -> Optional[dict]:
     unsupported = [k for k in ("amsgrad", "maximize") if any(g.get(k) for g in opt.param_groups)]
     if unsupported:
-        warn(f"adam-{unsupported}", f"compressed: momentum correction does not reproduce "
-                                    f"{type(opt).__name__}({'=True, '.join(unsupported)}=True); it is sent plain gradients")
+        warn(f"adam-{unsupported}", f"compressed: momentum correction does not reproduce {type(opt).__name__}"
+                                    f"({'=True, '.join(unsupported)}=True); it is sent plain gradients")
         return None
     decoupled = _decoupled(opt)
     out = {}

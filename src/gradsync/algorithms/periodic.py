@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from gradsync.algorithms.layout import Layout
 from gradsync.algorithms.schedule import Schedule
-from gradsync.algorithms.state import StateRegistry
+from gradsync.algorithms.state import Resharded, StateRegistry
 from gradsync.comm.ledger import CommLedger, fp32_allreduce_bytes
 from gradsync.comm.reducer import Reducer
 from gradsync.errors import check, spell
@@ -392,6 +392,35 @@ class PeriodicAveraging:
     def state_dict(self) -> dict:
         self.flush()
         return self.registry.state_dict()
+
+    def reshard(self, parts: list[dict]) -> Resharded:
+        """The registry's reshard, with the overlapped round's rule: a mean in flight belongs with each
+        rank's anchor, so when any rank saved an anchor both are reset."""
+        out = self.registry.reshard(parts)
+        if any(p.get("anchor") is not None for p in parts):
+            out.state.pop("pending", None)
+            out.kept = [k for k in out.kept if k != "pending"]
+            label = self.registry.entries["anchor"].label
+            if label not in out.reset:
+                out.reset.append(label)
+        elif "pending" in out.kept:
+            out.kept[out.kept.index("pending")] = "pending (the fragment in flight)"
+        return out
+
+    def drop_in_flight(self) -> None:
+        """After an error: forget the rounds in flight (nothing lands)."""
+        for r in self.rounds:
+            r.issued_at, r.future, r.means = None, None, None
+
+    def stats(self) -> dict:
+        """Figures for the run summary: time waited on rounds, overlap, the fragments' sizes."""
+        out: dict = {"rounds_waited_seconds": round(self.overlap_stats["seconds_waited"], 4)}
+        if self.overlap or self.schedule.sync_delay:
+            out["overlap"] = dict(self.overlap_stats)
+        if self.schedule.fragments > 1:
+            out["fragments"] = [{"parameters": len(f), "numel": self.layout.fragment_numel(k)}
+                                for k, f in enumerate(self.layout.fragments)]
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         self.registry.load_state_dict(state)

@@ -85,6 +85,22 @@ class StateRegistry:
         return out
 
 
+def codec_change(saved: Optional[dict], current: dict) -> Optional[str]:
+    """None when codec state saved under the signature ``saved`` (the codec's name and whatever its
+    state depends on) may be loaded under ``current``; else the sentence a resume warns with.
+
+    The residuals of one codec are not those of another (int8's are rounding errors, sign's most of
+    the signal), so a change of codec, of its options or of what it is sent resets its state."""
+    if saved is None or saved == current:
+        return None
+
+    def spell(sig: dict) -> str:
+        rest = ", ".join(f"{k} {v}" for k, v in sig.items() if k != "name")
+        return f"{sig.get('name')}{f' ({rest})' if rest else ''}"
+
+    return f"checkpoint was written with codec {spell(saved)}, this run uses {spell(current)}"
+
+
 def mean_of(values: list[Any]) -> Any:
     """The element-wise mean of matching structures (floating tensors averaged in float64; other
     tensors and plain values taken from the first)."""

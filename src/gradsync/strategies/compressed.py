@@ -27,6 +27,7 @@ from typing import Any, Callable, Literal, Optional
 import torch
 
 from gradsync.algorithms import Schedule
+from gradsync.algorithms.state import codec_change
 from gradsync.algorithms.compressed import ADAM_OPTIMIZERS, MomentumTakeover
 from gradsync.comm import CODEC_OPTIONS, LOSSY, Codec, build_reducer, check_codec_options
 from gradsync.comm.codecs.common import ParamStore
@@ -282,18 +283,12 @@ class CompressedStrategy(GradsyncStrategy):
         if saved is None or self._hook_state is None:
             return
         self.schedule.num_steps = int(saved["num_steps"])
-        if saved.get("codec") != self.codec:
+        # Residuals of velocities and of gradients are different quantities: neither fits the other.
+        change = codec_change({"name": saved.get("codec"), "momentum_correction": bool(saved.get("momentum_correction"))},
+                              {"name": self.codec, "momentum_correction": self.corrects_momentum})
+        if change:
             if self.global_rank == 0:
-                warnings.warn(f"compressed: checkpoint was written with codec {saved.get('codec')}, this run uses "
-                              f"{self.codec}; starting the {self.codec} codec state from scratch", stacklevel=2)
-            return
-        was = bool(saved.get("momentum_correction", False))
-        if was != self.corrects_momentum:
-            # Residuals of velocities and of gradients are different quantities: neither fits the other.
-            if self.global_rank == 0:
-                warnings.warn(f"compressed: checkpoint was written with momentum correction {'on' if was else 'off'}, "
-                              f"this run has it {'on' if self.corrects_momentum else 'off'}; starting the "
-                              f"{self.codec} codec state from scratch", stacklevel=2)
+                warnings.warn(f"compressed: {change}; starting the {self.codec} codec state from scratch", stacklevel=2)
             return
         self._hook_state.reducer.load_state_dict(saved.get("codec_state", {}))
 

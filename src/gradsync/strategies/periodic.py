@@ -23,6 +23,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from gradsync.algorithms import PeriodicAveraging, Schedule
+from gradsync.algorithms.state import codec_change, mean_of
 from gradsync.comm import CODEC_OPTIONS, LOSSY, Codec, build_reducer, check_codec_options
 from gradsync.comm.ddp import AllReduceState, allreduce_hook, local_hook
 from gradsync.comm.hierarchical import INTER, INTRA, NodeReducer
@@ -263,8 +264,7 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
     def teardown(self) -> None:
         # Normal ends have flushed in on_train_end; after an error, drop what is in flight.
         if self._algorithm is not None:
-            for r in self._algorithm.rounds:
-                r.issued_at, r.future, r.means = None, None, None
+            self._algorithm.drop_in_flight()
         super().teardown()
 
     # ---- algorithm state -----------------------------------------------------------------------
@@ -283,15 +283,10 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
     def load_algorithm_state_dict(self, state: dict) -> None:
         super().load_algorithm_state_dict(state)
         state = dict(state)
-        saved_codec = state.get("codec")
-        if state.get("reducer") and saved_codec is not None and saved_codec != self.codec_signature():
-            # Residuals of one codec are not those of another (int8's are rounding errors, sign's are
-            # most of the signal): never load them into another codec.
+        change = codec_change(state.get("codec"), self.codec_signature()) if state.get("reducer") else None
+        if change:
             if self.global_rank == 0:
-                def spell_codec(sig: dict) -> str:
-                    return f"{sig.get('name')} ({', '.join(f'{k} {v}' for k, v in sig.items() if k != 'name')})"
-                warnings.warn(f"{self.strategy_name}: checkpoint was written with codec {spell_codec(saved_codec)}, "
-                              f"this run uses {spell_codec(self.codec_signature())}; reset the codec state "
+                warnings.warn(f"{self.strategy_name}: {change}; reset the codec state "
                               f"({', '.join(state['reducer']) or 'empty'}): the {self.codec} codec starts from scratch",
                               stacklevel=2)
             state["reducer"] = None
@@ -314,21 +309,10 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
     def reshard_algorithm_state(self, parts: list, saved_world_size: int) -> Optional[dict]:
         """Keep what every rank shares, average the ranks' local parameters, reset the rest — by the
         kinds the algorithm's state registry declares — and say so in one warning."""
-        first = parts[0]
-        out = self.algorithm.registry.reshard(parts)
-        state = {"ledger": first.get("ledger", {}), **out.state}
-        if any(p.get("anchor") is not None for p in parts):
-            state.pop("pending", None)  # an overlapped round's mean belongs with the anchors
-            out.kept = [k for k in out.kept if k != "pending"]
-            label = self.algorithm.registry.entries["anchor"].label
-            if label not in out.reset:
-                out.reset.append(label)
-        elif "pending" in out.kept:
-            out.kept[out.kept.index("pending")] = "pending (the fragment in flight)"
+        out = self.algorithm.reshard(parts)
+        state = {"ledger": parts[0].get("ledger", {}), **out.state}
         reset = ["local_optimizer_states", *out.reset]
-        if first.get("local_params") is not None:
-            from gradsync.algorithms.state import mean_of
-
+        if parts[0].get("local_params") is not None:
             state["local_params"] = mean_of([p["local_params"] for p in parts])
         if "codec state" in reset:
             names = self._describe_reducer_state()
@@ -346,15 +330,7 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
         return build_reducer(self.codec, error_feedback=self.error_feedback, **options).runtime_state_names()
 
     def run_stats(self) -> dict:
-        algorithm = self.algorithm
-        stats = {"rounds_waited_seconds": round(algorithm.overlap_stats["seconds_waited"], 4)}
-        if self.overlap or self.sync_delay:
-            stats["overlap"] = dict(algorithm.overlap_stats)
-        if self.fragments > 1:
-            layout = algorithm.layout
-            stats["fragments"] = [{"parameters": len(f), "numel": layout.fragment_numel(k)}
-                                  for k, f in enumerate(layout.fragments)]
-        return stats
+        return self.algorithm.stats()
 
 
 class _FinalRound(Callback):

@@ -65,3 +65,17 @@ def test_mean_of_nested_state():
     b = {"w": torch.tensor([2.0]), "n": torch.tensor(9), "xs": [torch.tensor([4.0])]}
     m = mean_of([a, b])
     assert torch.equal(m["w"], torch.tensor([1.5])) and int(m["n"]) == 3 and torch.equal(m["xs"][0], torch.tensor([3.0]))
+
+
+def test_codec_change_is_detected_once_for_every_strategy():
+    from gradsync.algorithms.state import codec_change
+
+    int8 = {"name": "int8", "error_feedback": True, "chunk_size": 512}
+    assert codec_change(None, int8) is None  # nothing saved: nothing to refuse
+    assert codec_change(dict(int8), int8) is None
+    said = codec_change(int8, {**int8, "chunk_size": 256})
+    assert said == ("checkpoint was written with codec int8 (error_feedback True, chunk_size 512), "
+                    "this run uses int8 (error_feedback True, chunk_size 256)")
+    # compressed: residuals of velocities are not residuals of gradients
+    assert "momentum_correction False" in codec_change({"name": "topk", "momentum_correction": False},
+                                                       {"name": "topk", "momentum_correction": True})
