@@ -19,6 +19,7 @@ node-scoped rounds alike::
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Optional
 
 import torch.distributed as dist
@@ -30,7 +31,7 @@ from gradsync.comm.codecs import (
 from gradsync.comm.error_feedback import ErrorFeedback
 from gradsync.comm.ledger import CommLedger, fp32_allreduce_bytes, wire_bytes
 from gradsync.comm.reducer import IdentityReducer, Reducer
-from gradsync.errors import check
+from gradsync.errors import check, spell
 
 #: Codec name -> reducer class. ``--strategy.codec NAME`` chooses one.
 REDUCERS: dict[str, type[Reducer]] = {
@@ -104,5 +105,48 @@ def build_reducer(codec: str, *, ledger: Optional[CommLedger] = None, group: Opt
     return reducer
 
 
-__all__ = ["CODEC_OPTIONS", "LOSSY", "REDUCERS", "Codec", "CommLedger", "ErrorFeedback", "Reducer", "build_reducer",
-           "check_codec_options", "fp32_allreduce_bytes", "wire_bytes"]
+@dataclass(frozen=True)
+class CodecSpec:
+    """A codec with its options and its error feedback: what a strategy's codec arguments mean, once.
+
+    ``options`` holds every :data:`CODEC_OPTIONS` entry (the given value or the default); the codec
+    reads its own and ignores the rest. :meth:`parse` validates (one line naming the option),
+    :meth:`build` makes the reducer, :meth:`signature` says what its checkpointed state belongs to."""
+
+    name: str
+    error_feedback: bool
+    options: dict = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, name: str, given: dict[str, Any], error_feedback: Optional[bool], *,
+              feedback_by_default: tuple[str, ...] = LOSSY) -> "CodecSpec":
+        """Validate ``name`` with the options ``given``; error feedback defaults to on for the codecs
+        in ``feedback_by_default`` and must not be asked of an exact codec."""
+        check_codec_options(name, given)
+        check(not (error_feedback and name not in LOSSY), "error_feedback", error_feedback,
+              f"is not used by codec {name} (it is exact)", f"drop {spell('error_feedback')} or choose a lossy codec")
+        feedback = (name in feedback_by_default) if error_feedback is None else bool(error_feedback)
+        spec = cls(name, feedback, {**{k: default for k, (default, _) in CODEC_OPTIONS.items()}, **given})
+        spec.build()  # the codec's own checks (chunk sizes, bits, decay), now rather than at the first step
+        return spec
+
+    def with_options(self, **options: Any) -> "CodecSpec":
+        return replace(self, options={**self.options, **options})
+
+    def build(self, *, ledger: Optional[CommLedger] = None, group: Optional[dist.ProcessGroup] = None,
+              scope: str = "world") -> Reducer:
+        return build_reducer(self.name, ledger=ledger, group=group, scope=scope, error_feedback=self.error_feedback,
+                             **self.options)
+
+    def signature(self) -> dict:
+        """The codec, error feedback and the options it reads: what its state in a checkpoint belongs to."""
+        read = {k: v for k, v in self.options.items() if self.name in CODEC_OPTIONS[k][1]}
+        return {"name": self.name, "error_feedback": self.error_feedback, **read}
+
+    def state_names(self) -> list[str]:
+        """What a resume on another world size resets of this codec's state, in words."""
+        return self.build().runtime_state_names()
+
+
+__all__ = ["CODEC_OPTIONS", "LOSSY", "REDUCERS", "Codec", "CodecSpec", "CommLedger", "ErrorFeedback", "Reducer",
+           "build_reducer", "check_codec_options", "fp32_allreduce_bytes", "wire_bytes"]

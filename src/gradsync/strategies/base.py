@@ -41,7 +41,9 @@ from gradsync.strategies.lightning_private import (
     layer_sync, process_group_backend, process_group_timeout, set_layer_sync,
     set_process_group_backend,
 )
+from gradsync.algorithms.gradients import all_finite, normalize_weighted
 from gradsync.strategies.checkpointing import RankCheckpointing
+from gradsync.strategies.collectives import CountedCollectives
 from gradsync.strategies.scope import NodeScope
 from gradsync.strategies.sync_batchnorm import layer_sync_for
 
@@ -55,7 +57,7 @@ _UNUSED_PARAMETERS = re.compile(r"Expected to have finished reduction in the pri
 _DDP_OPTIONS = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "find_unused_parameters")
 
 
-class GradsyncStrategy(RankCheckpointing, NodeScope, DDPStrategy):
+class GradsyncStrategy(RankCheckpointing, NodeScope, CountedCollectives, DDPStrategy):
     """Base of all gradsync strategies. Not registered itself; subclasses set ``strategy_name``."""
 
     strategy_name: ClassVar[str] = ""
@@ -254,13 +256,8 @@ class GradsyncStrategy(RankCheckpointing, NodeScope, DDPStrategy):
             self._weight_sum, self._weighted = 0.0, False
 
     def _all_gradients_finite(self, optimizer: Any) -> bool:
-        finite = all(bool(torch.isfinite(p.grad).all()) for g in optimizer.param_groups for p in g["params"]
-                     if p.grad is not None)
-        if self.gradients_synchronized or not (dist.is_available() and dist.is_initialized()) or self.world_size == 1:
-            return finite
-        flag = torch.tensor([0.0 if finite else 1.0], device=self.root_device)
-        self.ledger.all_reduce(flag, purpose="control")  # 4 bytes: the ranks agree before anyone steps
-        return float(flag.item()) == 0.0
+        return all_finite(optimizer, ledger=self.ledger, ask_every_rank=not self.gradients_synchronized,
+                          device=self.root_device)
 
     def averaged_over(self) -> tuple[Optional[Any], int]:
         """The ranks whose gradients this step's backward averaged: ``(group, size)``; size 1 with
@@ -268,41 +265,9 @@ class GradsyncStrategy(RankCheckpointing, NodeScope, DDPStrategy):
         return None, self.world_size
 
     def _normalize_weighted_gradients(self, optimizer: Any) -> None:
-        # After backward the gradient holds mean over the n averaged ranks of sum_mb w*grad(mean_mb) / K:
-        # multiply by K*n / W, W the weight summed over those ranks. A local step asks no one.
         group, n = self.averaged_over()
-        total = torch.tensor([self._weight_sum], dtype=torch.float64)
-        if n > 1 and dist.is_available() and dist.is_initialized():
-            total = total.to(self.root_device)
-            self.ledger.all_reduce(total, group=group, scope="world" if group is None else "intra_node")
-        scale = self.accumulation_steps * n / float(total.item())
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-
-    # ---- Lightning's collectives, counted as control traffic ----------------------------------
-    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
-        if isinstance(tensor, torch.Tensor) and self._distributed():
-            self.ledger.record("all_reduce", tensor.numel() * tensor.element_size(), purpose="control")
-        return super().reduce(tensor, group=group, reduce_op=reduce_op)
-
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if self._distributed():
-            self.ledger.record("all_reduce", 4, purpose="control")  # a barrier moves a token's worth
-        super().barrier(*args, **kwargs)
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        out = super().broadcast(obj, src)
-        if self._distributed():
-            import pickle
-
-            self.ledger.record("broadcast", len(pickle.dumps(out)) + 8, is_root=self.global_rank == src,
-                               purpose="control")
-        return out
-
-    def _distributed(self) -> bool:
-        return dist.is_available() and dist.is_initialized() and self.world_size > 1
+        normalize_weighted(optimizer, weight_sum=self._weight_sum, micro_batches=self.accumulation_steps, group=group,
+                           n=n, ledger=self.ledger, device=self.root_device)
 
     # ---- communication hooks ---------------------------------------------------------------
     def build_comm_hook(self) -> Optional[tuple[Any, Callable]]:

@@ -29,7 +29,7 @@ import torch
 from gradsync.algorithms import Schedule
 from gradsync.algorithms.state import codec_change
 from gradsync.algorithms.compressed import ADAM_OPTIMIZERS, MomentumTakeover
-from gradsync.comm import CODEC_OPTIONS, LOSSY, Codec, build_reducer, check_codec_options
+from gradsync.comm import CODEC_OPTIONS, Codec, CodecSpec
 from gradsync.comm.codecs.common import ParamStore
 from gradsync.comm.ddp import ReducerHookState, reducer_hook
 from gradsync.comm.error_feedback import MomentumCorrection
@@ -119,13 +119,12 @@ class CompressedStrategy(GradsyncStrategy):
             **kwargs: options of :class:`~gradsync.strategies.base.GradsyncStrategy` (backend,
                 timeout_seconds, bucket_cap_mb, ...).
         """
-        check_codec_options(codec, {"chunk_size": chunk_size, "fraction": fraction,
-                                    "rank": POWERSGD_RANK if rank is None else rank,
-                                    "warm_start": warm_start, "seed": seed, "sparse_chunk_size": sparse_chunk_size,
-                                    "sparse_k": sparse_k, "value_bits": value_bits, "error_decay": error_decay})
-        check(not (error_feedback and codec not in LOSSY), "error_feedback", error_feedback,
-              f"is not used by codec {codec} (it is exact)", f"drop {spell('error_feedback')} or choose a lossy codec")
-        error_feedback = (codec in FEEDBACK_CODECS) if error_feedback is None else bool(error_feedback)
+        #: the codec with its options and error feedback (on by default for the codecs that need it)
+        self.codec_spec = CodecSpec.parse(codec, {
+            "chunk_size": chunk_size, "fraction": fraction, "rank": POWERSGD_RANK if rank is None else rank,
+            "warm_start": warm_start, "seed": seed, "sparse_chunk_size": sparse_chunk_size, "sparse_k": sparse_k,
+            "value_bits": value_bits, "error_decay": error_decay}, error_feedback, feedback_by_default=FEEDBACK_CODECS)
+        error_feedback = self.codec_spec.error_feedback
         check(momentum_correction or codec in MOMENTUM_CODECS, "momentum_correction", momentum_correction,
               f"is not used by codec {codec} (only by {', '.join(MOMENTUM_CODECS)})",
               f"drop {spell('momentum_correction')} or choose {spell('codec', MOMENTUM_CODECS[0])}")
@@ -145,14 +144,11 @@ class CompressedStrategy(GradsyncStrategy):
         self.warmup_steps = warmup_steps
         #: the optimizer-step count (advanced by :meth:`optimizer_step`, read by the hook, checkpointed)
         self.schedule = Schedule(warmup_steps=warmup_steps)
-        self.chunk_size, self.fraction = chunk_size, fraction
-        self.rank = POWERSGD_RANK if rank is None else rank
+        for option, value in self.codec_spec.options.items():
+            setattr(self, option, value)
         self._rank_given = rank is not None
-        self.error_feedback, self.warm_start, self.seed = error_feedback, warm_start, seed
-        self.sparse_chunk_size, self.sparse_k, self.value_bits, self.error_decay = (
-            sparse_chunk_size, sparse_k, value_bits, error_decay)
+        self.error_feedback = error_feedback
         self.momentum_correction = bool(momentum_correction)
-        self._new_reducer()  # validates the codec's own options now, not at the first step
         self._hook_state: Optional[ReducerHookState] = None
         self._velocities = ParamStore()  # shared by the warm-up and the codec reducer
         self._second_moments, self._adam_steps = ParamStore(), {}  # ... and Adam's other moments
@@ -167,9 +163,7 @@ class CompressedStrategy(GradsyncStrategy):
         return self.momentum_correction and self.codec in MOMENTUM_CODECS
 
     def _new_reducer(self, group: Any = None, scope: str = "world") -> Reducer:
-        options = {k: getattr(self, k) for k in CODEC_OPTIONS}
-        return build_reducer(self.codec, ledger=self.ledger, group=group, scope=scope,
-                             error_feedback=self.error_feedback, **options)
+        return self.codec_spec.build(ledger=self.ledger, group=group, scope=scope)
 
     # ---- hooks -----------------------------------------------------------------------------
     def build_comm_hook(self) -> Optional[tuple[Any, Callable]]:
@@ -221,7 +215,7 @@ class CompressedStrategy(GradsyncStrategy):
             return
         rank = POWERSGD_ADAM_RANK if any(isinstance(o, ADAM_OPTIMIZERS) for o in optimizers) else POWERSGD_RANK
         if rank != self.rank:
-            self.rank = rank
+            self.rank, self.codec_spec = rank, self.codec_spec.with_options(rank=rank)
             if self._hook_state is not None:
                 self._hook_state.reducer, self._hook_state.warmup = self._build_reducers()
 
@@ -300,7 +294,7 @@ class CompressedStrategy(GradsyncStrategy):
         saved = parts[0].get("compressed")
         velocities = _mean_velocities([p.get("compressed") or {} for p in parts]) if saved is not None else {}
         if saved is not None and self.global_rank == 0:
-            reset = ", ".join(self._new_reducer().runtime_state_names())
+            reset = ", ".join(self.codec_spec.state_names())
             kept = f"; momentum-correction velocities averaged over the {len(parts)} saved ranks" if velocities else ""
             if reset:
                 warnings.warn(f"compressed: {self.written_by(saved_world_size)}; reset codec state ({self.codec}): "

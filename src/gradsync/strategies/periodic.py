@@ -23,8 +23,8 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
 from gradsync.algorithms import PeriodicAveraging, Schedule
-from gradsync.algorithms.state import codec_change, mean_of
-from gradsync.comm import CODEC_OPTIONS, LOSSY, Codec, build_reducer, check_codec_options
+from gradsync.algorithms.state import codec_change
+from gradsync.comm import CODEC_OPTIONS, Codec, CodecSpec
 from gradsync.comm.ddp import AllReduceState, allreduce_hook, local_hook
 from gradsync.comm.hierarchical import INTER, INTRA, NodeReducer
 from gradsync.comm.reducer import Reducer
@@ -122,19 +122,16 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
                 default: what torchrun / SLURM say.
             **kwargs: DDP and process-group options of :class:`~gradsync.strategies.base.GradsyncStrategy`.
         """
-        codec_options = {"chunk_size": chunk_size, "fraction": fraction, "rank": rank, "warm_start": warm_start,
-                         "seed": seed, "sparse_chunk_size": sparse_chunk_size, "sparse_k": sparse_k,
-                         "value_bits": value_bits, "error_decay": error_decay}
-        check_codec_options(codec, codec_options)
-        check(not (error_feedback and codec not in LOSSY), "error_feedback", error_feedback,
-              f"is not used by codec {codec} (it is exact)", f"drop {spell('error_feedback')} or choose a lossy codec")
+        #: the round's codec with its options and error feedback (on by default for every lossy codec)
+        self.codec_spec = CodecSpec.parse(codec, {
+            "chunk_size": chunk_size, "fraction": fraction, "rank": rank, "warm_start": warm_start, "seed": seed,
+            "sparse_chunk_size": sparse_chunk_size, "sparse_k": sparse_k, "value_bits": value_bits,
+            "error_decay": error_decay}, error_feedback)
         self.period, self.warmup_steps = period, warmup_steps
         self.average_buffers, self.overlap = bool(average_buffers), bool(overlap)
-        self.codec = codec
-        self.error_feedback = (codec in LOSSY) if error_feedback is None else bool(error_feedback)
-        for option, value in codec_options.items():
+        self.codec, self.error_feedback = codec, self.codec_spec.error_feedback
+        for option, value in self.codec_spec.options.items():
             setattr(self, option, value)
-        build_reducer(codec, error_feedback=self.error_feedback, **codec_options)  # validates the codec's options
         super().__init__(**kwargs)
         self._set_scope(scope, procs_per_node)
         # Buffers are averaged at rounds (average_buffers) or stay local; DDP's per-forward
@@ -175,6 +172,12 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
             self._algorithm = PeriodicAveraging(
                 None, self.payload, self.schedule, reducer=lambda: self.reducer, ledger=self.ledger,
                 overlap=self.overlap, fragment_alpha=self.fragment_alpha, average_buffers=self.average_buffers)
+            # Lightning's checkpoint holds rank 0's weights and optimizer state only; between rounds
+            # every rank has its own
+            registry = self._algorithm.registry
+            registry.register("local_params", "averaged", self._local_params, self._load_local_params)
+            registry.register("local_optimizer_states", "per_rank", lambda: [o.state_dict() for o in self.optimizers],
+                              self._keep_optimizer_states)
         algorithm = self._algorithm
         # the module is known once the trainer connects it, gradsync's groups once they are set up
         if algorithm.module is None and self.lightning_module is not None:
@@ -187,9 +190,7 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
     def reducer(self) -> Reducer:
         """The reducer of rounds (built on gradsync's own group at first use)."""
         if self._round_reducer is None:
-            options = {k: getattr(self, k, default) for k, (default, _) in CODEC_OPTIONS.items()}
-            reducer = build_reducer(self.codec, ledger=self.ledger, group=self.round_group(), scope=self.round_scope(),
-                                    error_feedback=self.error_feedback, **options)
+            reducer = self.codec_spec.build(ledger=self.ledger, group=self.round_group(), scope=self.round_scope())
             if self.scope == "node":
                 # every process of a node holds the same replica: each sends its 1/K shard across nodes
                 reducer = NodeReducer(reducer, intra=self.topology.intra, replicated=True)
@@ -204,12 +205,6 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
 
     def round_scope(self) -> str:
         return INTER if self.scope == "node" else "world"
-
-    def codec_signature(self) -> dict:
-        """What the codec state in a checkpoint belongs to: the codec, its options, error feedback."""
-        options = {k: getattr(self, k, default) for k, (default, users) in CODEC_OPTIONS.items()
-                   if self.codec in users}
-        return {"name": self.codec, "error_feedback": self.error_feedback, **options}
 
     def finish(self) -> None:
         """End of fit: apply anything in flight, then sync every fragment the ranks disagree on, once."""
@@ -268,35 +263,33 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
         super().teardown()
 
     # ---- algorithm state -----------------------------------------------------------------------
+    def _local_params(self) -> dict:
+        return {k: v.detach() for k, v in self.lightning_module.state_dict().items()}
+
+    def _load_local_params(self, saved: Optional[dict]) -> None:
+        if saved is not None:
+            with torch.no_grad():
+                for name, value in self.lightning_module.state_dict().items():
+                    value.copy_(saved[name])
+
+    def _keep_optimizer_states(self, saved: Optional[list]) -> None:
+        self._restored_optimizer_states = saved  # loaded with Lightning's, in load_optimizer_state_dict
+
     def algorithm_state_dict(self) -> dict:
-        state = super().algorithm_state_dict()
-        state.update(self.algorithm.state_dict())
-        state.update(
-            codec=self.codec_signature(),
-            # Lightning's checkpoint holds rank 0's weights and optimizer state only; between
-            # rounds every rank has its own.
-            local_params={k: v.detach() for k, v in self.lightning_module.state_dict().items()},
-            local_optimizer_states=[opt.state_dict() for opt in self.optimizers],
-        )
-        return state
+        return {**super().algorithm_state_dict(), **self.algorithm.state_dict(), "codec": self.codec_spec.signature()}
 
     def load_algorithm_state_dict(self, state: dict) -> None:
         super().load_algorithm_state_dict(state)
         state = dict(state)
-        change = codec_change(state.get("codec"), self.codec_signature()) if state.get("reducer") else None
+        change = codec_change(state.get("codec"), self.codec_spec.signature()) if state.get("reducer") else None
         if change:
             if self.global_rank == 0:
                 warnings.warn(f"{self.strategy_name}: {change}; reset the codec state "
                               f"({', '.join(state['reducer']) or 'empty'}): the {self.codec} codec starts from scratch",
                               stacklevel=2)
             state["reducer"] = None
-        if state.get("local_params") is not None:
-            with torch.no_grad():
-                for name, value in self.lightning_module.state_dict().items():
-                    value.copy_(state["local_params"][name])
         self.algorithm.load_state_dict(state)
         self._round_reducer = None
-        self._restored_optimizer_states = state.get("local_optimizer_states")
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         super().load_optimizer_state_dict(checkpoint)
@@ -310,24 +303,17 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
         """Keep what every rank shares, average the ranks' local parameters, reset the rest — by the
         kinds the algorithm's state registry declares — and say so in one warning."""
         out = self.algorithm.reshard(parts)
-        state = {"ledger": parts[0].get("ledger", {}), **out.state}
-        reset = ["local_optimizer_states", *out.reset]
-        if parts[0].get("local_params") is not None:
-            state["local_params"] = mean_of([p["local_params"] for p in parts])
-        if "codec state" in reset:
-            names = self._describe_reducer_state()
-            reset[reset.index("codec state")] = f"codec state ({self.codec}{': ' + ', '.join(names) if names else ''})"
+        if "codec state" in out.reset:
+            names = self.codec_spec.state_names()
+            out.reset[out.reset.index("codec state")] = \
+                f"codec state ({self.codec}{': ' + ', '.join(names) if names else ''})"
         if self.global_rank == 0:
             warnings.warn(
-                f"{self.strategy_name}: {self.written_by(saved_world_size)}; kept {', '.join(out.kept)}; "
-                f"averaged local_params of the {saved_world_size} saved ranks; reset {', '.join(reset)}",
+                f"{self.strategy_name}: {self.written_by(saved_world_size)}; kept {', '.join(out.kept)}; averaged "
+                f"{', '.join(out.averaged)} of the {saved_world_size} saved ranks; reset {', '.join(out.reset)}",
                 stacklevel=2,
             )
-        return state
-
-    def _describe_reducer_state(self) -> list[str]:
-        options = {k: getattr(self, k, default) for k, (default, _) in CODEC_OPTIONS.items()}
-        return build_reducer(self.codec, error_feedback=self.error_feedback, **options).runtime_state_names()
+        return {"ledger": parts[0].get("ledger", {}), **out.state}
 
     def run_stats(self) -> dict:
         return self.algorithm.stats()
