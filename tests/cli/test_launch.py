@@ -170,3 +170,41 @@ def test_torchrun_output_shows_a_worker_user_error_once_and_drops_torchruns_repo
                  "worker group\n", "step 1\n"]:
         out.feed(line)
     assert sink.getvalue().endswith("will restart worker group\nstep 1\n") and out.worker_error is None
+
+
+def test_a_worker_takes_the_run_its_launcher_parsed(tmp_path, capsys, monkeypatch):
+    # One pass: the launcher parses the flags, resolves recipe and strategy, and hands the run to its
+    # workers; a worker started with the same arguments takes it instead of parsing them again.
+    from gradsync.cli.main import parse_run
+    from gradsync.platform.launch import SPEC_ENV, hand_over, handed_over
+
+    for var in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    argv = ["--recipe", "digits", "--devices", "2", "--max-steps", "5", "--print-launch"]
+    spec = parse_run("fit", argv)
+    spec.launch.nproc_per_node = 7  # a mark no parse of argv could make
+    env = hand_over(spec, ["fit", *argv], tmp_path)
+    assert handed_over(["fit", *argv], env) is None  # not started by a launcher: parse here
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert handed_over(["fit", *argv[:-1]], env) is None  # other arguments: not this run
+    monkeypatch.setenv(SPEC_ENV, env[SPEC_ENV])
+    assert main(["fit", *argv]) == 0
+    assert "1 node(s) x 7 process(es)" in capsys.readouterr().out  # the handed-over run, not a new parse
+    monkeypatch.setenv(SPEC_ENV, str(tmp_path / "gone.pkl"))
+    assert main(["fit", *argv]) == 0
+    assert "1 node(s) x 2 process(es)" in capsys.readouterr().out  # no file: the worker parses itself
+
+
+def test_what_the_launcher_hands_over_is_what_a_worker_would_parse(tmp_path):
+    # validation in the launcher must not change the run it hands over (jsonargparse rewrote a
+    # --callbacks+ value in place, and workers got a config where a callback belonged)
+    import pickle
+
+    from gradsync.cli.main import parse_run, validate_spec
+
+    argv = ["--recipe", "digits", "--devices", "2", "--callbacks+", "lightning.pytorch.callbacks.LearningRateMonitor",
+            "--gradient-clip-val", "0.5", "--strategy", "compressed", "--strategy.codec", "topk"]
+    spec = parse_run("fit", argv)
+    validate_spec(spec)
+    assert pickle.loads(pickle.dumps(spec)) == parse_run("fit", argv)

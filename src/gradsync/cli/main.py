@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
 
@@ -474,10 +475,12 @@ def cmd_list() -> int:
     return 0
 
 
-def cmd_run(command: str, argv: list[str]) -> int:
+def cmd_run(command: str, argv: list[str], spec: Any = None) -> int:
+    """Run (or launch) one fit/validate/test; ``spec``: the run as the launcher parsed it, if it did."""
     from gradsync.platform import launch
 
-    spec = parse_run(command, argv)  # --help / --print_config exit inside jsonargparse
+    if spec is None:
+        spec = parse_run(command, argv)  # --help / --print_config exit inside jsonargparse
     warning = launch.missing_master_address(spec.launch)
     if warning and not launch.inside_launcher():
         print(f"gradsync: warning: {warning}", file=sys.stderr)
@@ -497,7 +500,10 @@ def cmd_run(command: str, argv: list[str]) -> int:
                 if not launch.wait_for_node_zero(cfg, wait):
                     raise UsageError(f"node 0 did not answer at {cfg.master_addr}:{cfg.master_port} within {wait:g} s; "
                                      "start node 0 too, or check --master-addr and --master-port (and --timeout)")
-            rc, rendezvous_timeout = launch.run_torchrun(launch.torchrun_command([command, *argv], cfg))
+            with tempfile.TemporaryDirectory(prefix="gradsync-launch-") as handover:
+                # the workers take this parse instead of doing it again (same argv, so same result)
+                rc, rendezvous_timeout = launch.run_torchrun(launch.torchrun_command([command, *argv], cfg),
+                                                             launch.hand_over(spec, [command, *argv], handover))
             if rendezvous_timeout:
                 wait = f" within {cfg.timeout:g} s" if cfg.timeout else ""
                 print(f"gradsync: error: not every node joined at {cfg.master_addr}:{cfg.master_port}{wait} "
@@ -542,9 +548,12 @@ def main(argv: Optional[list[str]] = None) -> int:
 
             return cmd_sample(rest)
         if command in COMMANDS:
-            if not ({"-h", "--help"} & set(rest)):
+            from gradsync.platform.launch import handed_over
+
+            spec = handed_over([command, *rest])  # a worker of gradsync's launcher: parsed there already
+            if spec is None and not ({"-h", "--help"} & set(rest)):
                 precheck(command, rest)
-            return cmd_run(command, rest)
+            return cmd_run(command, rest, spec)
         raise UsageError(f"unknown command {command!r}; choose one of fit, validate, test, list, compare, sample")
     except (UsageError, GradsyncError) as exc:
         # one write: every rank may print it into the same pipe, and print() writes the newline apart

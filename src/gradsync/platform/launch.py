@@ -12,13 +12,15 @@ rendezvouses on 127.0.0.1.
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import shlex
 import socket
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
 
 TORCHRUN_VARS = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
 DEFAULT_PORT = 29500
@@ -265,10 +267,43 @@ class TorchrunOutput:
             self.sink.flush()
 
 
-def run_torchrun(cmd: list[str]) -> tuple[int, Optional[str]]:
+#: Where a launcher's workers find the run it parsed (:func:`hand_over`), so they do not parse it again.
+SPEC_ENV = "GRADSYNC_RUN_SPEC"
+
+
+def hand_over(spec: Any, argv: Sequence[str], directory: str | os.PathLike) -> dict[str, str]:
+    """Write the parsed run for the workers this launcher starts; returns the environment that says where.
+
+    The workers of ``gradsync <argv>`` under torchrun are started with the same ``argv``; each takes
+    the launcher's spec instead of scanning and parsing the flags, resolving the recipe and the
+    strategy class again (:func:`handed_over`). A torchrun restart reads the same file."""
+    path = Path(directory) / "run-spec.pkl"
+    try:
+        payload = pickle.dumps({"argv": list(argv), "spec": spec})
+    except (pickle.PicklingError, TypeError, AttributeError):
+        return {}  # an option that does not pickle: the workers parse the flags themselves, as they can
+    path.write_bytes(payload)
+    return {SPEC_ENV: str(path)}
+
+
+def handed_over(argv: Sequence[str], env: Mapping[str, str] = os.environ) -> Any:
+    """The spec this process's launcher parsed for these ``argv``, or None (then parse them here):
+    only a worker started by a launcher, with the very arguments the launcher parsed, takes it."""
+    path = env.get(SPEC_ENV)
+    if not path or not inside_launcher(env):
+        return None
+    try:
+        with open(path, "rb") as f:
+            saved = pickle.load(f)
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError):
+        return None
+    return saved["spec"] if isinstance(saved, dict) and saved.get("argv") == list(argv) else None
+
+
+def run_torchrun(cmd: list[str], extra_env: Optional[Mapping[str, str]] = None) -> tuple[int, Optional[str]]:
     """Run torchrun; return its exit status and, when the rendezvous timed out (a peer node never
     came), the exception line torchrun raised (its traceback is not shown)."""
-    env = dict(os.environ)
+    env = {**os.environ, **(extra_env or {})}
     # Several processes on few cores: one thread each, or they oversubscribe the CPUs.
     env.setdefault("OMP_NUM_THREADS", "1")
     out = TorchrunOutput()

@@ -120,6 +120,7 @@ def bool_flags() -> set[str]:
 def instantiate(options: dict) -> dict:
     """The Trainer arguments with their ``class_path`` values (``--callbacks+ pkg.MyCallback``,
     ``--profiler pkg.MyProfiler``, ``--plugins ...``) built, as jsonargparse builds them for LightningCLI."""
+    import copy
     import inspect
 
     import lightning as L
@@ -136,6 +137,6 @@ def instantiate(options: dict) -> dict:
         if has_class_path(value):
             parser = ArgumentParser(exit_on_error=False)
             parser.add_argument(f"--{name}", type=params[name].annotation)
-            cfg = parser.parse_object({name: value})
+            cfg = parser.parse_object({name: copy.deepcopy(value)})  # jsonargparse rewrites what it is given
             out[name] = parser.instantiate_classes(cfg)[name]
     return out
