@@ -49,7 +49,9 @@ def test_overhead(tmp_path):
 
     overhead.run(tmp_path, quick=True)
     data = _check(tmp_path, "overhead")
-    assert len(data["data"]["ratios"]) == 2 and all(r > 0 for r in data["data"]["ratios"])
+    ratios, controls = data["data"]["ratios"], data["data"]["controls"]
+    assert len(ratios) == len(controls) == 2 and all(r > 0 for r in ratios + controls)
+    assert [row[1] for row in data["rows"]] == ["sync, ddp, ddp again", "ddp, ddp again, sync"]  # rotating arms
 
 
 def test_slowlink(tmp_path):
