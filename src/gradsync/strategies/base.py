@@ -69,7 +69,7 @@ class GradsyncStrategy(RankCheckpointing, NodeScope, CountedCollectives, DDPStra
         *,
         backend: Backend = "auto",
         timeout_seconds: float = 1800.0,
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: Optional[float] = None,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
         find_unused_parameters: bool = False,
@@ -80,6 +80,8 @@ class GradsyncStrategy(RankCheckpointing, NodeScope, CountedCollectives, DDPStra
             backend: process-group backend; ``auto`` picks NCCL on CUDA devices and gloo on CPU.
             timeout_seconds: how long a collective may wait for a peer before the run fails.
             bucket_cap_mb: DDP gradient bucket size in MiB; larger buckets mean fewer, bigger collectives.
+                Default: DDP's own, 25 MiB buckets with a first bucket of 1 MiB, so the all-reduce of the
+                last layers' gradients starts early (a given size applies to every bucket).
             gradient_as_bucket_view: let gradients alias DDP's buckets (saves one gradient-sized copy).
             static_graph: tell DDP the set of used parameters never changes (enables extra overlap).
             find_unused_parameters: let DDP tolerate parameters that get no gradient in a step.
@@ -90,10 +92,11 @@ class GradsyncStrategy(RankCheckpointing, NodeScope, CountedCollectives, DDPStra
         """
         check(backend in ("auto", "nccl", "gloo"), "backend", backend, "must be one of auto, nccl, gloo")
         check(timeout_seconds > 0, "timeout_seconds", timeout_seconds, "must be > 0 seconds")
-        check(bucket_cap_mb > 0, "bucket_cap_mb", bucket_cap_mb, "must be > 0 MiB", "25 is DDP's default")
+        check(bucket_cap_mb is None or bucket_cap_mb > 0, "bucket_cap_mb", bucket_cap_mb, "must be > 0 MiB",
+              "omit it for DDP's default")
         self.backend = backend
         self.timeout_seconds = float(timeout_seconds)
-        self.bucket_cap_mb = float(bucket_cap_mb)
+        self.bucket_cap_mb = None if bucket_cap_mb is None else float(bucket_cap_mb)
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
         self.static_graph = bool(static_graph)
         self.find_unused_parameters = bool(find_unused_parameters)
