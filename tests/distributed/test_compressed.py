@@ -455,7 +455,8 @@ def test_world_size_change_averages_momentum_correction_velocities():
     parts = [{"ledger": {}, "compressed": {"codec": "topk", "num_steps": 4, "momentum_correction": True, "codec_state": {
         "velocities": {"w": torch.full((3,), float(r)), "b": torch.ones(2)}, "residuals": {"w": torch.ones(3)}}}}
         for r in range(3)]
-    with pytest.warns(UserWarning, match="reset codec state .*worker error-feedback residuals.*velocities averaged"):
+    said = "averaged momentum-correction velocities of the 3 saved ranks; reset codec state .*worker error-feedback"
+    with pytest.warns(UserWarning, match=said):
         state = strategy.reshard_algorithm_state(parts, saved_world_size=3)
     velocities = state["compressed"]["codec_state"]["velocities"]
     assert torch.equal(velocities["w"], torch.full((3,), 1.0)) and torch.equal(velocities["b"], torch.ones(2))

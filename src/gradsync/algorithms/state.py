@@ -43,6 +43,18 @@ class Resharded:
     averaged: list[str] = field(default_factory=list)
     reset: list[str] = field(default_factory=list)
 
+    def describe(self, who: str, written_by: str, saved_ranks: int) -> str:
+        """The one warning of a resume on another layout, the same sentence for every strategy:
+        ``who: <written_by>; kept ...; averaged ... of the N saved ranks; reset ...``."""
+        parts = [f"{who}: {written_by}"]
+        if self.kept:
+            parts.append(f"kept {', '.join(self.kept)}")
+        if self.averaged:
+            parts.append(f"averaged {', '.join(self.averaged)} of the {saved_ranks} saved ranks")
+        if self.reset:
+            parts.append(f"reset {', '.join(self.reset)}")
+        return "; ".join(parts)
+
 
 class StateRegistry:
     """Named pieces of state, each replicated, averaged or per rank."""

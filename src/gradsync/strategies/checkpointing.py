@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import torch
 
+from gradsync.algorithms.state import Resharded
 from gradsync.errors import GradsyncError
 from gradsync.strategies import parts as rank_parts
 from gradsync.strategies.lightning_private import fit_batch_progress
@@ -138,11 +139,9 @@ class RankCheckpointing:
         """
         reset = sorted(k for k in parts[0] if k != "ledger")
         if reset and self.global_rank == 0:
-            warnings.warn(
-                f"{self.strategy_name}: {self.written_by(saved_world_size)}; "
-                f"reset per-rank algorithm state: {', '.join(reset)}",
-                stacklevel=2,
-            )
+            said = Resharded(state={}, reset=reset).describe(self.strategy_name, self.written_by(saved_world_size),
+                                                              len(parts))
+            warnings.warn(said, stacklevel=2)
         return {"ledger": parts[0].get("ledger", {})}
 
 

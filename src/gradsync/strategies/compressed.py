@@ -27,7 +27,7 @@ from typing import Any, Callable, Literal, Optional
 import torch
 
 from gradsync.algorithms import Schedule
-from gradsync.algorithms.state import codec_change
+from gradsync.algorithms.state import Resharded, codec_change
 from gradsync.algorithms.compressed import ADAM_OPTIMIZERS, MomentumTakeover
 from gradsync.comm import CODEC_OPTIONS, Codec, CodecSpec
 from gradsync.comm.codecs.common import ParamStore
@@ -293,12 +293,12 @@ class CompressedStrategy(GradsyncStrategy):
         # exactly the momentum buffer sync SGD would hold.
         saved = parts[0].get("compressed")
         velocities = _mean_velocities([p.get("compressed") or {} for p in parts]) if saved is not None else {}
-        if saved is not None and self.global_rank == 0:
-            reset = ", ".join(self.codec_spec.state_names())
-            kept = f"; momentum-correction velocities averaged over the {len(parts)} saved ranks" if velocities else ""
-            if reset:
-                warnings.warn(f"compressed: {self.written_by(saved_world_size)}; reset codec state ({self.codec}): "
-                              f"{reset}{kept}", stacklevel=2)
+        names = self.codec_spec.state_names()
+        if saved is not None and names and self.global_rank == 0:
+            said = Resharded(state={}, kept=["the step count"],
+                             averaged=["momentum-correction velocities"] if velocities else [],
+                             reset=[f"codec state ({self.codec}): {', '.join(names)}"])
+            warnings.warn(said.describe("compressed", self.written_by(saved_world_size), len(parts)), stacklevel=2)
         out: dict = {"ledger": parts[0].get("ledger", {})}
         if saved is not None:
             out["compressed"] = {"codec": saved.get("codec"), "num_steps": saved["num_steps"],

@@ -308,11 +308,7 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
             out.reset[out.reset.index("codec state")] = \
                 f"codec state ({self.codec}{': ' + ', '.join(names) if names else ''})"
         if self.global_rank == 0:
-            warnings.warn(
-                f"{self.strategy_name}: {self.written_by(saved_world_size)}; kept {', '.join(out.kept)}; averaged "
-                f"{', '.join(out.averaged)} of the {saved_world_size} saved ranks; reset {', '.join(out.reset)}",
-                stacklevel=2,
-            )
+            warnings.warn(out.describe(self.strategy_name, self.written_by(saved_world_size), len(parts)), stacklevel=2)
         return {"ledger": parts[0].get("ledger", {}), **out.state}
 
     def run_stats(self) -> dict:
