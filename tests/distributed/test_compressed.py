@@ -187,7 +187,7 @@ def test_sign_momentum_correction_two_ranks_by_hand(tmp_path):
             assert optimizers[r]["group"]["momentum"] == TOY_MOMENTUM  # restored after every step
         if corrected:
             for r in (0, 1):
-                assert (ranks[r]["algorithm"]["compressed"]["codec_state"]["velocities"]["w"] - u[r]).abs().max() <= 1e-6
+                assert (ranks[r]["algorithm"]["compressed"]["velocities"]["w"] - u[r]).abs().max() <= 1e-6
             assert not state["residuals"], "the velocity is the worker's memory: no worker residual"
             assert optimizers[0]["buffers"] == 0, "the optimizer applied momentum too"
         else:
@@ -244,7 +244,7 @@ def test_topk_momentum_correction_two_ranks_by_hand(tmp_path):
             assert (rank["params"]["w"] - w).abs().max() <= 1e-6, f"momentum_correction={corrected}, rank {r}"
             assert optimizers[r]["group"]["momentum"] == TOY_MOMENTUM and optimizers[r]["group"]["weight_decay"] == wd
             if corrected:
-                assert (rank["algorithm"]["compressed"]["codec_state"]["velocities"]["w"] - u[r]).abs().max() <= 1e-6
+                assert (rank["algorithm"]["compressed"]["velocities"]["w"] - u[r]).abs().max() <= 1e-6
         assert optimizers[0]["buffers"] == (0 if corrected else 1)
     assert (results[True] - results[False]).abs().max() > 1e-2
 
@@ -284,7 +284,7 @@ def test_adamw_correction_two_ranks_by_hand(tmp_path):
     for r, rank in enumerate(ranks):
         assert (rank["params"]["w"] - w).abs().max() <= 1e-5, f"rank {r}"
         state = rank["algorithm"]["compressed"]["codec_state"]
-        assert (state["velocities"]["w"] - m[r]).abs().max() <= 1e-6
+        assert (rank["algorithm"]["compressed"]["velocities"]["w"] - m[r]).abs().max() <= 1e-6
         assert (state["adam"]["second_moments"]["w"] - v[r]).abs().max() <= 1e-7
         assert int(state["adam"]["steps"]["w"]) == TOY_STEPS
         assert (state["residuals"]["w"] - e[r]).abs().max() <= 1e-5  # Adam directions keep the worker residual
@@ -303,7 +303,7 @@ def test_adam_correction_resumes_exactly(tmp_path):
     assert int(read_parts(ckpt)[0]["compressed"]["codec_state"]["adam"]["steps"]["w"]) == 3
     for a, b in zip(whole, resumed):
         assert (a["params"]["w"] - b["params"]["w"]).abs().max() <= 1e-6
-        _assert_state_close(a["algorithm"]["compressed"]["codec_state"], b["algorithm"]["compressed"]["codec_state"])
+        _assert_state_close(a["algorithm"]["compressed"], b["algorithm"]["compressed"])
 
 
 # ---- chargpt at its own defaults (AdamW, warm-up + cosine): a short run ----------------------------
@@ -411,7 +411,7 @@ def test_resume_restores_codec_state_exactly(tmp_path, codec, corrected):
     group = saved["optimizer_states"][0]["param_groups"][0]
     assert group["momentum"] == 0.9, "the checkpoint holds the user's momentum, not the step's 0"
     if codec in ("sign", "topk") and corrected:
-        velocities = [p["compressed"]["codec_state"]["velocities"] for p in parts]
+        velocities = [p["compressed"]["velocities"] for p in parts]
         assert set(velocities[0]) == {n for n, _ in digits_model().named_parameters()}
         assert not torch.equal(velocities[0]["head.weight"], velocities[1]["head.weight"])  # each rank's own
         assert not saved["optimizer_states"][0]["state"], "the optimizer kept momentum buffers of its own"
@@ -444,7 +444,7 @@ def test_world_size_change_resets_codec_state_with_a_warning():
     with pytest.warns(UserWarning, match="reset codec state .*worker error-feedback residuals.*reducer"):
         state = strategy.reshard_algorithm_state([part, part], saved_world_size=2)
     assert state["compressed"]["num_steps"] == 12  # warm-up is not repeated
-    assert state["compressed"]["codec_state"] == {}
+    assert "codec_state" not in state["compressed"]
     assert state["ledger"] == {"wire_bytes": 7}
 
 
@@ -458,9 +458,9 @@ def test_world_size_change_averages_momentum_correction_velocities():
     said = "averaged momentum-correction velocities of the 3 saved ranks; reset codec state .*worker error-feedback"
     with pytest.warns(UserWarning, match=said):
         state = strategy.reshard_algorithm_state(parts, saved_world_size=3)
-    velocities = state["compressed"]["codec_state"]["velocities"]
+    velocities = state["compressed"]["velocities"]  # (written inside the codec state before the registry)
     assert torch.equal(velocities["w"], torch.full((3,), 1.0)) and torch.equal(velocities["b"], torch.ones(2))
-    assert set(state["compressed"]["codec_state"]) == {"velocities"}
+    assert "codec_state" not in state["compressed"]
 
 
 @pytest.mark.parametrize("options,option", [
@@ -525,11 +525,12 @@ def test_error_feedback_follows_parameters_across_bucket_rebuilds(tmp_path, code
     names = {n for n, _ in digits_model().named_parameters()}
     # With the recipe's momentum, sign keeps velocities and reducer residuals (no worker residual),
     # topk velocities and residuals (of velocities), powersgd residuals.
-    stores = {"powersgd": [("residuals",)], "topk": [("residuals",), ("velocities",)],
-              "sign": [("velocities",), ("inner", "reducer_residuals")]}[codec]
+    # (velocities are their own entry of the state, beside the codec state)
+    stores = {"powersgd": [("codec_state", "residuals")], "topk": [("codec_state", "residuals"), ("velocities",)],
+              "sign": [("velocities",), ("codec_state", "inner", "reducer_residuals")]}[codec]
     for part in read_parts(ckpt):
         for path in stores:
-            store = part["compressed"]["codec_state"]
+            store = part["compressed"]
             for key in path:
                 store = store[key]
             assert set(store) == names, f"{'/'.join(path)}: one per parameter, whatever bucket it travelled in"

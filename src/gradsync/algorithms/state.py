@@ -91,7 +91,7 @@ class StateRegistry:
                 out.kept.append(name)
             elif e.kind == "averaged":
                 out.state[name] = mean_of([p[name] for p in parts])
-                out.averaged.append(name)
+                out.averaged.append(e.label or name)
             else:
                 out.reset.append(e.label or name)
         return out
@@ -121,8 +121,8 @@ def mean_of(values: list[Any]) -> Any:
         if not first.is_floating_point():
             return first
         return sum(v.double() for v in values).div(len(values)).to(first.dtype)
-    if isinstance(first, dict):
-        return {k: mean_of([v[k] for v in values]) for k in first}
+    if isinstance(first, dict):  # the keys every value holds (a rank may lack a piece another has)
+        return {k: mean_of([v[k] for v in values]) for k in first if all(k in v for v in values)}
     if isinstance(first, (list, tuple)):
         return type(first)(mean_of([v[i] for v in values]) for i in range(len(first)))
     return first

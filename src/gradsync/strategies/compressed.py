@@ -24,10 +24,9 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable, Literal, Optional
 
-import torch
 
 from gradsync.algorithms import Schedule
-from gradsync.algorithms.state import Resharded, codec_change
+from gradsync.algorithms.state import StateRegistry, codec_change
 from gradsync.algorithms.compressed import ADAM_OPTIMIZERS, MomentumTakeover
 from gradsync.comm import CODEC_OPTIONS, Codec, CodecSpec
 from gradsync.comm.codecs.common import ParamStore
@@ -156,6 +155,7 @@ class CompressedStrategy(GradsyncStrategy):
         # the optimizer's momentum, read at every step and applied once (algorithms.compressed)
         self._takeover = MomentumTakeover(self._live_optimizers, self._parameter_names, self._warn_once)
         self._local_clip: Optional[LocalClipState] = None  # gradient clipping before compression
+        self.registry = self._register_state()
 
     @property
     def corrects_momentum(self) -> bool:
@@ -263,12 +263,35 @@ class CompressedStrategy(GradsyncStrategy):
         self._warned.add(key)
 
     # ---- algorithm state -------------------------------------------------------------------
+    def _register_state(self) -> StateRegistry:
+        """compressed's state, declared once: what a resume on another layout keeps, averages or resets.
+        It stays under the checkpoint key ``compressed``."""
+        reg = StateRegistry()
+        reg.register("codec", "replicated", lambda: self.codec, lambda v: None)  # checked on load
+        reg.register("momentum_correction", "replicated", lambda: self.corrects_momentum, lambda v: None)
+        # global (the same on every rank): warm-up is not repeated on another world size
+        reg.register("num_steps", "replicated", lambda: self.schedule.num_steps,
+                     lambda v: setattr(self.schedule, "num_steps", int(v)))
+        # residuals, rounding streams and Adam moments belong to one rank of one world size
+        reg.register("codec_state", "per_rank", self._codec_state, self._load_codec_state,
+                     label=f"codec state ({self.codec}): {', '.join(self.codec_spec.state_names())}")
+        # without masking, the velocities' mean is exactly the momentum buffer sync SGD would hold;
+        # loaded after the codec state, which would clear them
+        reg.register("velocities", "averaged", lambda: self._velocities.state_dict() or None,
+                     lambda v: self._velocities.load_state_dict(v or {}), label="momentum-correction velocities")
+        return reg
+
+    def _codec_state(self) -> Optional[dict]:
+        state = {k: v for k, v in self._hook_state.reducer.state_dict().items() if k != "velocities"}
+        return state or None
+
+    def _load_codec_state(self, state: Optional[dict]) -> None:
+        self._hook_state.reducer.load_state_dict(state or {})
+
     def algorithm_state_dict(self) -> dict:
         out = super().algorithm_state_dict()
         if self._hook_state is not None:
-            out["compressed"] = {"codec": self.codec, "num_steps": self.schedule.num_steps,
-                                 "momentum_correction": self.corrects_momentum,
-                                 "codec_state": self._hook_state.reducer.state_dict()}
+            out["compressed"] = self.registry.state_dict()
         return out
 
     def load_algorithm_state_dict(self, state: dict) -> None:
@@ -284,34 +307,25 @@ class CompressedStrategy(GradsyncStrategy):
             if self.global_rank == 0:
                 warnings.warn(f"compressed: {change}; starting the {self.codec} codec state from scratch", stacklevel=2)
             return
-        self._hook_state.reducer.load_state_dict(saved.get("codec_state", {}))
+        self.registry.load_state_dict(saved)
 
     def reshard_algorithm_state(self, parts: list, saved_world_size: int) -> Optional[dict]:
-        # Residuals and rounding streams belong to one rank of one world size: reset them. The step
-        # counter is global (the same on every rank), so warm-up is not repeated. Velocities are
-        # re-sharded: every rank starts from their mean over the saved ranks — without masking,
-        # exactly the momentum buffer sync SGD would hold.
-        saved = parts[0].get("compressed")
-        velocities = _mean_velocities([p.get("compressed") or {} for p in parts]) if saved is not None else {}
-        names = self.codec_spec.state_names()
-        if saved is not None and names and self.global_rank == 0:
-            said = Resharded(state={}, kept=["the step count"],
-                             averaged=["momentum-correction velocities"] if velocities else [],
-                             reset=[f"codec state ({self.codec}): {', '.join(names)}"])
-            warnings.warn(said.describe("compressed", self.written_by(saved_world_size), len(parts)), stacklevel=2)
         out: dict = {"ledger": parts[0].get("ledger", {})}
-        if saved is not None:
-            out["compressed"] = {"codec": saved.get("codec"), "num_steps": saved["num_steps"],
-                                 "momentum_correction": bool(saved.get("momentum_correction", False)),
-                                 "codec_state": {"velocities": velocities} if velocities else {}}
+        if parts[0].get("compressed") is None:
+            return out
+        resharded = self.registry.reshard([_with_velocities_apart(p.get("compressed") or {}) for p in parts])
+        if (resharded.reset or resharded.averaged) and self.global_rank == 0:
+            warnings.warn(resharded.describe("compressed", self.written_by(saved_world_size), len(parts)),
+                          stacklevel=2)
+        out["compressed"] = resharded.state
         return out
 
 
-def _mean_velocities(saved: list) -> dict:
-    """Name -> the mean of every saved rank's velocity (names all ranks hold, at one size)."""
-    stores = [(s.get("codec_state") or {}).get("velocities") or {} for s in saved]
-    if not stores or not all(stores):
-        return {}
-    names = set(stores[0]).intersection(*stores[1:])
-    return {name: torch.stack([st[name].float() for st in stores]).mean(0) for name in sorted(names)
-            if len({st[name].numel() for st in stores}) == 1}
+def _with_velocities_apart(saved: dict) -> dict:
+    """A saved part as the registry declares it: checkpoints written before the registry kept the
+    momentum-correction velocities inside the codec state."""
+    codec_state = saved.get("codec_state") or {}
+    if "velocities" not in codec_state:
+        return saved
+    rest = {k: v for k, v in codec_state.items() if k != "velocities"}
+    return {**saved, "codec_state": rest or None, "velocities": saved.get("velocities") or codec_state["velocities"]}
