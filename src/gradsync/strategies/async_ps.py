@@ -40,14 +40,14 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from gradsync.errors import GradsyncError, check, spell
-from gradsync.strategies.base import GradsyncStrategy
-from gradsync.comm.ledger import fp32_allreduce_bytes
 from gradsync.algorithms.param_server import ShardState, split_shards
 from gradsync.algorithms.ps_worker import (
     WorkerClock, lost_report, merge_saved_shards, shard_optimizer, shard_stats, summarize,
 )
+from gradsync.comm.ledger import fp32_allreduce_bytes
 from gradsync.comm.ps import PSClient, ServerError, ServerThread
+from gradsync.errors import GradsyncError, check, spell
+from gradsync.strategies.base import GradsyncStrategy
 from gradsync.strategies.lightning_private import ddp_kwargs, mark_optimizer_stepped, replace_sigterm_broadcast
 
 

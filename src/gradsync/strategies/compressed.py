@@ -24,10 +24,9 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable, Literal, Optional
 
-
 from gradsync.algorithms import Schedule
-from gradsync.algorithms.state import StateRegistry, codec_change
 from gradsync.algorithms.compressed import ADAM_OPTIMIZERS, MomentumTakeover
+from gradsync.algorithms.state import StateRegistry, codec_change
 from gradsync.comm import CODEC_OPTIONS, Codec, CodecSpec
 from gradsync.comm.codecs.common import ParamStore
 from gradsync.comm.ddp import ReducerHookState, reducer_hook
