@@ -95,16 +95,16 @@ def test_sign_round_trip_is_scaled_sign():
 
 
 def reference_sign(x: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sign message as gradsync encoded it before the fast path, written out plainly: signs
-    packed high bit first (x >= 0 is +), and each chunk's mean |x| over its own entries, from a
-    zero-padded (chunks, chunk_size) table."""
+    """The sign message written out plainly: signs packed high bit first (x >= 0 is +), and each
+    chunk's mean |x| over its own entries, from a zero-padded (chunks, chunk_size) table, summed in
+    float64 and rounded once to float32 (so the order of the additions does not show)."""
     n = x.numel()
     rows = max(1, math.ceil(n / chunk_size))
     table = torch.zeros(rows * chunk_size)
     table[:n] = x
-    counts = torch.full((rows,), float(chunk_size))
+    counts = torch.full((rows,), float(chunk_size), dtype=torch.float64)
     counts[-1] = n - chunk_size * (rows - 1)
-    scales = table.view(rows, chunk_size).abs().sum(dim=1) / counts
+    scales = (table.view(rows, chunk_size).abs().double().sum(dim=1) / counts).float()
     bits = (x >= 0).to(torch.uint8).view(-1, 8)
     packed = (bits << torch.arange(7, -1, -1, dtype=torch.uint8)).sum(dim=1, dtype=torch.uint8)
     return packed, scales

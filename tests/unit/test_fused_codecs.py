@@ -15,6 +15,7 @@ pytestmark = pytest.mark.timeout(300)
 def messages(cls, x: torch.Tensor, chunk: int, compiled: bool, monkeypatch) -> torch.Tensor:
     """Every row of ``x`` (rows, shard) encoded by a fresh reducer (the same noise draw either way)."""
     monkeypatch.setenv("GRADSYNC_COMPILED_CODECS", "1" if compiled else "0")
+    monkeypatch.setenv("GRADSYNC_NATIVE_CODECS", "0")  # the native kernels come first on CPU: tested apart
     reducer = cls(chunk_size=chunk, seed=5)
     rows, shard = x.shape
     msgs = torch.empty(rows, reducer.message_bytes(shard), dtype=torch.uint8)
@@ -38,14 +39,14 @@ def test_compiled_messages_are_the_eager_bytes(cls, rows, shard, chunk, dtype, m
     assert kernel is not None, "the compiled encoder was not used (compile failed here?)"
     assert torch.equal(compiled, eager)
     # random messages rarely land a rounding away from a code boundary; the probe's entries all do
-    probe = fused._probe(torch.device("cpu"))
+    probe = fused.probe_inputs(torch.device("cpu"))
     assert torch.equal(kernel(*probe), fused.round_codes_eager(*probe))
 
 
 def test_the_probe_catches_a_kernel_that_rounds_twice():
     # Without contraction the compiled x * inv + noise is rounded twice, eager addcmul once: the probe
     # (inputs a rounding away from an integer) shows it, so such a kernel is never used.
-    probe = fused._probe(torch.device("cpu"))
+    probe = fused.probe_inputs(torch.device("cpu"))
     eager = fused.round_codes_eager(*probe)
     w = torch.bitwise_xor(probe[2].unsqueeze(2), probe[3]).view(torch.float32)
     twice = (probe[0] * probe[1].unsqueeze(2)).add(w).to(torch.uint8)  # eager, two roundings

@@ -6,7 +6,9 @@ probe and, should one byte differ, it is switched off with a warning; any compil
 switches it off too. Compiling costs ~20 s on a 2-core CPU (then it is in Inductor's on-disk
 cache for later runs), so only vectors of at least :data:`MIN_NUMEL` entries use it.
 
-``GRADSYNC_COMPILED_CODECS=0`` turns it off; ``=1`` keeps it on at any size (tests).
+``GRADSYNC_COMPILED_CODECS=0`` turns it off; ``=1`` keeps it on at any size (tests). On CPU the
+native kernels of :mod:`~gradsync.comm.codecs.native` (plain C, built in a second) come first and
+this one serves where they are off (``GRADSYNC_NATIVE_CODECS=0``) or cannot run (CUDA: Triton).
 
 **int8 / int4 encode.** Eager stochastic rounding takes three passes over the chunked message
 (``bitwise_xor`` of the noise tables into a float32 buffer, ``addcmul`` into it, a conversion to
@@ -51,7 +53,7 @@ def _round_codes(x: torch.Tensor, inv: torch.Tensor, a: torch.Tensor, b: torch.T
     return (x * inv.unsqueeze(2) + w).to(torch.uint8)
 
 
-def _probe(device: torch.device) -> tuple[torch.Tensor, ...]:
+def probe_inputs(device: torch.device) -> tuple[torch.Tensor, ...]:
     """int8-shaped inputs whose ``x inv + noise`` lies within float32 rounding of an integer: where one
     rounding (FMA) and two (multiply, then add) give codes that differ by one."""
     g = torch.Generator().manual_seed(0)
@@ -69,7 +71,7 @@ def _build(device: torch.device) -> Optional[Callable]:
     try:
         kernel = torch.compile(_round_codes, dynamic=True,
                                options={"cpp.enable_floating_point_contract_flag": "fast"})
-        probe = _probe(device)
+        probe = probe_inputs(device)
         if torch.equal(kernel(*probe), round_codes_eager(*probe)):
             return kernel
         warnings.warn(f"gradsync: the compiled int8/int4 encoder gives other bytes than the eager one on {device.type}; "

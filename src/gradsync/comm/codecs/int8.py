@@ -44,7 +44,7 @@ from typing import ClassVar, Hashable, Optional, Union
 
 import torch
 
-from gradsync.comm.codecs import fused
+from gradsync.comm.codecs import fused, native
 from gradsync.comm.codecs.common import RoundingNoise, flatten_into, rounding_noise, shard_length, unflatten
 from gradsync.comm.futures import Reduction
 from gradsync.comm.reducer import Reducer
@@ -72,7 +72,7 @@ def _chunk_views(m: torch.Tensor, chunk_size: int) -> list[tuple[torch.Tensor, s
     return parts
 
 
-def chunk_scales(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
+def chunk_scales_eager(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """max|x| of every chunk of every row of ``x`` (rows, length): (rows, chunks), float32."""
     # amax and amin read x twice but run at memory speed; abs() would write a full temporary and
     # aminmax over a dimension is not vectorized on CPU.
@@ -80,14 +80,45 @@ def chunk_scales(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
     return torch.cat(parts, dim=1) if parts else x.new_zeros(x.shape[0], 0)
 
 
+def _probe_inputs() -> list[tuple[torch.Tensor, int]]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 1000, generator=g)
+    x[0, :300] = 0
+    x[1, 5] = -1e30
+    return [(x, 64), (x, 1000), (x, 2048), (x[:, :8].contiguous(), 8)]
+
+
+def _probe_scales() -> bool:
+    fn = native.raw("absmax_chunks")
+    return all(torch.equal(_chunk_scales_native(fn, x, c), chunk_scales_eager(x, c)) for x, c in _probe_inputs())
+
+
+def _chunk_scales_native(fn, x: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    rows, length = x.shape
+    out = torch.empty(rows, math.ceil(length / chunk_size), dtype=torch.float32)
+    fn(x.data_ptr(), rows, length, chunk_size, out.data_ptr())
+    return out
+
+
+def chunk_scales(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """:func:`chunk_scales_eager`; on CPU one native pass (``native.c``)."""
+    if x.numel() and x.dtype == torch.float32 and native.usable(x):
+        fn = native.kernel("absmax_chunks", _probe_scales)
+        if fn is not None:
+            return _chunk_scales_native(fn, x, chunk_size)
+    return chunk_scales_eager(x, chunk_size)
+
+
 def encode_codes(x: torch.Tensor, chunk_size: int, levels: int, noise: RoundingNoise, codes: torch.Tensor,
-                 work: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 work: Optional[torch.Tensor] = None, nibbles: bool = False) -> torch.Tensor:
     """Stochastically round every row of ``x`` (rows, length; float32, any row stride).
 
     Writes ``q + 2^e`` (``2^e`` the power of two just above ``levels``: 128 for 8 bits, 8 for 4)
     into ``codes`` (shaped like ``x``; uint8, or int8 when every code is below 128) and returns the
     scales (rows, chunks) they are meant with: ``x ≈ q s / levels``. ``work``: float32 scratch of
-    at least ``x.numel()`` entries (allocated when absent). One noise draw per call.
+    at least ``x.numel()`` entries (allocated when absent). One noise draw per call. ``nibbles``
+    (int4, even length): ``codes`` is the packed payload (rows, length / 2), entry i in the high
+    nibble of byte i and entry i + length / 2 in its low nibble.
     """
     e = levels.bit_length()
     if e > 7:
@@ -103,6 +134,15 @@ def encode_codes(x: torch.Tensor, chunk_size: int, levels: int, noise: RoundingN
     b = b << shift
     if work is None:
         work = torch.empty(x.numel(), dtype=torch.float32, device=x.device)
+    if native.rows_usable(x) and native.rows_usable(codes) and x.dtype == torch.float32 and codes.element_size() == 1:
+        fn = native.kernel("quant_round", _probe_round)
+        if fn is not None:  # one pass, the same bytes
+            inv, a, b = inv.contiguous(), a.contiguous(), b.contiguous()
+            fn(x.data_ptr(), rows, length, x.stride(0), chunk_size, inv.data_ptr(), a.data_ptr(), b.data_ptr(),
+               codes.data_ptr(), codes.stride(0), int(nibbles))
+            return scales
+    if nibbles:
+        payload, codes = codes, torch.empty(rows, length, dtype=torch.int8, device=x.device)
     w = work.view(-1)[: x.numel()].view(rows, length)
     for (xv, chunks), (wv, _), (cv, _) in zip(_chunk_views(x, chunk_size), _chunk_views(w, chunk_size),
                                               _chunk_views(codes, chunk_size)):
@@ -112,7 +152,23 @@ def encode_codes(x: torch.Tensor, chunk_size: int, levels: int, noise: RoundingN
         torch.bitwise_xor(a[:, chunks].unsqueeze(2), b[: wv.shape[2]], out=wv.view(torch.int32))
         torch.addcmul(wv, xv, inv[:, chunks].unsqueeze(2), out=wv)
         cv.copy_(wv)  # truncation == floor: every entry is >= 1
+    if nibbles:
+        half = length // 2
+        u = codes.view(torch.uint8)
+        torch.add(u[:, half:], u[:, :half], alpha=16, out=payload)
     return scales
+
+
+def _probe_round() -> bool:
+    """The native rounding against the eager one (``addcmul``) on inputs a rounding away from a code
+    boundary (:func:`~gradsync.comm.codecs.fused.probe_inputs`: where one rounding and two differ)."""
+    fn = native.raw("quant_round")
+    x, inv, a, b = fused.probe_inputs(torch.device("cpu"))
+    rows, chunks, chunk = x.shape
+    got = torch.empty(rows, chunks * chunk, dtype=torch.uint8)
+    fn(x.data_ptr(), rows, chunks * chunk, chunks * chunk, chunk, inv.contiguous().data_ptr(),
+       a.contiguous().data_ptr(), b.data_ptr(), got.data_ptr(), chunks * chunk, 0)
+    return torch.equal(got.view(rows, chunks, chunk), fused.round_codes_eager(x, inv, a, b))
 
 
 def decode_codes(codes: torch.Tensor, scales: torch.Tensor, chunk_size: int, levels: int,
@@ -121,10 +177,54 @@ def decode_codes(codes: torch.Tensor, scales: torch.Tensor, chunk_size: int, lev
     # A divisor on the device, not a Python number: CUDA divides by a host scalar as a multiply by its
     # reciprocal, one rounding off the CPU's quotient; a device tensor gets the correctly rounded quotient.
     step = scales / scales.new_tensor(float(levels))
+    if codes.numel() and codes.dtype == torch.int8 and native.rows_usable(codes) and native.usable(step, out):
+        fn = native.kernel("int8_decode", _probe_decode)
+        if fn is not None:
+            fn(codes.data_ptr(), codes.shape[0], codes.shape[1], codes.stride(0), chunk_size, step.data_ptr(),
+               out.data_ptr())
+            return out
+    return _decode_codes_eager(codes, step, chunk_size, out)
+
+
+def _decode_codes_eager(codes: torch.Tensor, step: torch.Tensor, chunk_size: int, out: torch.Tensor) -> torch.Tensor:
     out.copy_(codes)
     for ov, chunks in _chunk_views(out, chunk_size):
         ov.mul_(step[:, chunks].unsqueeze(2))
     return out
+
+
+def _probe_decode() -> bool:
+    fn = native.raw("int8_decode")
+    for x, c in _probe_inputs():
+        codes = x.mul(40).clamp(-127, 127).to(torch.int8)
+        step = torch.rand(x.shape[0], math.ceil(x.shape[1] / c), generator=torch.Generator().manual_seed(1))
+        got, want = torch.empty_like(x), torch.empty_like(x)
+        fn(codes.data_ptr(), codes.shape[0], codes.shape[1], codes.stride(0), c, step.data_ptr(), got.data_ptr())
+        if not torch.equal(got, _decode_codes_eager(codes, step, c, want)):
+            return False
+    return True
+
+
+def _probe_int4() -> bool:
+    fn = native.raw("int4_decode")
+    g = torch.Generator().manual_seed(2)
+    for rows, shard, c in ((2, 1000, 64), (1, 16, 2048), (3, 40, 8)):
+        msgs = torch.randint(0, 256, (rows, shard // 2), generator=g, dtype=torch.uint8)
+        step = torch.rand(rows, math.ceil(shard / c), generator=g)
+        got, want = torch.empty(rows, shard), torch.empty(rows, shard)
+        fn(msgs.data_ptr(), rows, shard // 2, shard // 2, c, step.data_ptr(), got.data_ptr())
+        if not torch.equal(got, _decode_codes_eager(_int4_codes(msgs, shard), step, c, want)):
+            return False
+    return True
+
+
+def _int4_codes(payload: torch.Tensor, shard: int) -> torch.Tensor:
+    """The int8 codes q of an int4 payload (rows, shard / 2)."""
+    pay = payload.shape[1]
+    codes = torch.empty(payload.shape[0], shard, dtype=torch.uint8, device=payload.device)
+    torch.bitwise_right_shift(payload, 4, out=codes[:, :pay])
+    torch.bitwise_and(payload, 0x0F, out=codes[:, pay:])
+    return codes.sub_(8).view(torch.int8)  # wraps: q + 8 -> q in two's complement
 
 
 def quantize(x: torch.Tensor, chunk_size: int, generator: Noise = None, levels: int = LEVELS, *,
@@ -233,7 +333,8 @@ class QuantizedReducer(Reducer):
         rows, shard = x.shape
         payload = msgs[:, : self.payload_bytes(shard)]
         codes = self.codes_buffer(rows, shard, x.device)
-        scales = encode_codes(x, self.chunk_size, self.levels, self.noise(), payload if codes is None else codes, work)
+        scales = encode_codes(x, self.chunk_size, self.levels, self.noise(), payload if codes is None else codes, work,
+                              nibbles=self.bits == 4)
         if divisor != 1:
             scales.div_(scales.new_tensor(float(divisor)))  # correctly rounded on CUDA too (see decode_codes)
         self.write_payload(codes, payload)
@@ -303,21 +404,18 @@ class Int4Reducer(QuantizedReducer):
     codec = "int4"
     bits = 4
 
-    def codes_buffer(self, rows: int, shard: int, device: torch.device) -> torch.Tensor:
-        # int8: codes 1..15 fit, and float -> int8 conversion is the fast one on CPUs
-        return torch.empty(rows, shard, dtype=torch.int8, device=device)
-
     def write_payload(self, codes: Optional[torch.Tensor], payload: torch.Tensor) -> None:
-        half = payload.shape[1]
-        codes = codes.view(torch.uint8)
-        torch.add(codes[:, half:], codes[:, :half], alpha=16, out=payload)
+        pass  # encode_codes packed the nibbles into the payload
 
     def decode(self, msgs: torch.Tensor, shard: int, out: torch.Tensor) -> torch.Tensor:
         pay = self.payload_bytes(shard)
         payload = msgs[:, :pay]
-        codes = torch.empty(msgs.shape[0], shard, dtype=torch.uint8, device=msgs.device)
-        torch.bitwise_right_shift(payload, 4, out=codes[:, :pay])
-        torch.bitwise_and(payload, 0x0F, out=codes[:, pay:])
-        codes.sub_(8)  # wraps: q + 8 -> q in two's complement
         scales = scales_of(msgs, pay)
-        return decode_codes(codes.view(torch.int8), scales, self.chunk_size, self.levels, out)
+        if payload.numel() and native.rows_usable(payload) and native.usable(out):
+            fn = native.kernel("int4_decode", _probe_int4)
+            if fn is not None:
+                step = scales / scales.new_tensor(float(self.levels))
+                fn(payload.data_ptr(), msgs.shape[0], pay, payload.stride(0), self.chunk_size, step.data_ptr(),
+                   out.data_ptr())
+                return out
+        return decode_codes(_int4_codes(payload, shard), scales, self.chunk_size, self.levels, out)

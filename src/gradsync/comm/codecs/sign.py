@@ -51,6 +51,7 @@ from typing import Hashable, Optional
 
 import torch
 
+from gradsync.comm.codecs import native
 from gradsync.comm.codecs.common import (
     ParamStore, bytes_float, flatten, float_bytes, keys_of, pad_to, shard_length, unflatten,
 )
@@ -73,14 +74,14 @@ def _sign_table(device: torch.device) -> torch.Tensor:
     return table
 
 
-def compress(x: torch.Tensor, chunk_size: int, *, work: Optional[torch.Tensor] = None,
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def compress_eager(x: torch.Tensor, chunk_size: int, *, work: Optional[torch.Tensor] = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(packed sign bits, per-chunk mean |x|)`` of ``x`` (1-d, length a multiple of 8).
 
-    The mean is over the chunk's entries (a partial last chunk counts only its own); entries
+    The mean is over the chunk's entries (a partial last chunk counts only its own), summed in
+    float64 and rounded once to float32, so it does not depend on the order of the additions (two
+    orders agree unless the exact mean lies within ~2^-45 of a float32 rounding boundary); entries
     ``>= 0`` (including -0.0) are sent as +. ``work``: float32 scratch of ``x.numel()`` entries.
-    A few passes over memory: |x| into the scratch and its row sums, one comparison, and packing
-    8 booleans at a time with one integer multiply.
     """
     check(x.numel() % 8 == 0, "x.numel()", x.numel(), "must be a multiple of 8 to pack signs")
     x = x.to(torch.float32)
@@ -90,19 +91,19 @@ def compress(x: torch.Tensor, chunk_size: int, *, work: Optional[torch.Tensor] =
     full = n // chunk_size
     parts = []
     if full:
-        parts.append(a[:full * chunk_size].view(full, chunk_size).sum(dim=1).div_(chunk_size))
+        parts.append(a[:full * chunk_size].view(full, chunk_size).sum(dim=1, dtype=torch.float64).div_(chunk_size))
     if n > full * chunk_size or not n:
         tail = a[full * chunk_size:]
-        parts.append((tail.sum() / max(tail.numel(), 1)).reshape(1))
-    scales = torch.cat(parts) if len(parts) > 1 else parts[0]
+        parts.append((tail.sum(dtype=torch.float64) / max(tail.numel(), 1)).reshape(1))
+    scales = (torch.cat(parts) if len(parts) > 1 else parts[0]).to(torch.float32)
     positive = torch.ge(x, 0, out=work.view(torch.uint8)[:n].view(torch.bool))
     packed = positive.view(torch.uint8).view(torch.int64).mul(_PACK)
     packed = packed.bitwise_right_shift_(56).bitwise_and_(0xFF).to(torch.uint8)
     return packed, scales
 
 
-def decompress(packed: torch.Tensor, scales: torch.Tensor, chunk_size: int, *,
-               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def decompress_eager(packed: torch.Tensor, scales: torch.Tensor, chunk_size: int, *,
+                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``scale * sign`` of every entry (``8 x packed.numel()`` of them), into ``out`` when given."""
     n = packed.numel() * 8
     out = torch.empty(n, dtype=torch.float32, device=packed.device) if out is None else out.view(-1)[:n]
@@ -113,6 +114,67 @@ def decompress(packed: torch.Tensor, scales: torch.Tensor, chunk_size: int, *,
     if n > full * chunk_size:
         out[full * chunk_size:].mul_(scales[full])
     return out
+
+
+def _probe_inputs() -> list[tuple[torch.Tensor, int]]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3 * 512 + 72, generator=g)
+    x[:40] = 0.0
+    x[40:48] = -0.0
+    return [(x, 512), (x, 8), (x[:64], 1024), (x.mul(1e-30), 64)]
+
+
+def _probe_compress() -> bool:
+    fn = native.raw("sign_encode")
+    return all(all(torch.equal(a, b) for a, b in zip(_compress_native(fn, x, c), compress_eager(x, c)))
+               for x, c in _probe_inputs())
+
+
+def _probe_decompress() -> bool:
+    fn = native.raw("sign_decode")
+    for x, c in _probe_inputs():
+        packed, scales = compress_eager(x, c)
+        if not torch.equal(_decompress_native(fn, packed, scales, c), decompress_eager(packed, scales, c)):
+            return False
+    return True
+
+
+def _compress_native(fn, x: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n = x.numel()
+    packed = torch.empty(n // 8, dtype=torch.uint8)
+    scales = torch.empty(math.ceil(n / chunk_size), dtype=torch.float32)
+    fn(x.data_ptr(), n, chunk_size, packed.data_ptr(), scales.data_ptr())
+    return packed, scales
+
+
+def _decompress_native(fn, packed: torch.Tensor, scales: torch.Tensor, chunk_size: int,
+                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    n = packed.numel() * 8
+    out = torch.empty(n, dtype=torch.float32) if out is None else out.view(-1)[:n]
+    fn(packed.data_ptr(), scales.data_ptr(), n, chunk_size, out.data_ptr())
+    return out
+
+
+def compress(x: torch.Tensor, chunk_size: int, *, work: Optional[torch.Tensor] = None,
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`compress_eager`'s bytes; on CPU by one native pass (``native.c``)."""
+    if x.numel() and x.numel() % 8 == 0 and x.dtype == torch.float32 and native.usable(x):
+        fn = native.kernel("sign_encode", _probe_compress)
+        if fn is not None:
+            return _compress_native(fn, x, chunk_size)
+    return compress_eager(x, chunk_size, work=work)
+
+
+def decompress(packed: torch.Tensor, scales: torch.Tensor, chunk_size: int, *,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """:func:`decompress_eager`'s values; on CPU by one native pass."""
+    scales = scales.to(torch.float32)
+    if (packed.numel() and native.usable(packed, scales, *([] if out is None else [out]))
+            and (out is None or out.dtype == torch.float32)):
+        fn = native.kernel("sign_decode", _probe_decompress)
+        if fn is not None:
+            return _decompress_native(fn, packed, scales.contiguous(), chunk_size, out)
+    return decompress_eager(packed, scales, chunk_size, out=out)
 
 
 def message_bytes(shard: int, chunk_size: int) -> int:

@@ -37,6 +37,7 @@ from typing import Hashable, Optional
 
 import torch
 
+from gradsync.comm.codecs import native
 from gradsync.comm.codecs.common import bytes_float, flatten, float_bytes, unflatten
 from gradsync.comm.futures import Reduction
 from gradsync.comm.reducer import Reducer
@@ -85,12 +86,23 @@ def levels(bits: int, device: torch.device) -> torch.Tensor:
 
 def select(x: torch.Tensor, chunk_size: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per chunk of ``x`` (1-d float32, zero-padded to whole chunks): the indices (ascending, (C, k),
-    int64, inside the chunk) and values of its ``k`` entries of largest magnitude."""
+    int64, inside the chunk) and values of its ``k`` entries of largest magnitude (``x`` free of NaN),
+    equal magnitudes going to the lower index."""
     chunks = max(1, math.ceil(x.numel() / chunk_size))
     padded = x.new_zeros(chunks * chunk_size)
     padded[: x.numel()] = x
     rows = padded.view(chunks, chunk_size)
-    idx = torch.topk(rows.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values
+    mags = rows.abs()
+    top = torch.topk(mags, k, dim=1, sorted=False)
+    tau = top.values.amin(dim=1, keepdim=True)  # the k-th largest
+    if bool((mags >= tau).sum(dim=1).eq(k).all()):  # no equal magnitudes straddle the k-th: topk's set
+        idx = top.indices.sort(dim=1).values
+    else:
+        above = mags > tau
+        ties = mags == tau
+        room = k - above.sum(dim=1, keepdim=True)
+        chosen = above.logical_or_(ties.logical_and_(ties.cumsum(dim=1) <= room))
+        idx = chosen.nonzero()[:, 1].view(chunks, k)  # row-major: ascending inside each chunk
     return idx, rows.gather(1, idx)
 
 
@@ -103,7 +115,7 @@ def quantize(values: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tenso
     return t.round_().clamp_(0, top).to(torch.int64), scales
 
 
-def encode(x: torch.Tensor, chunk_size: int, k: int, bits: int) -> torch.Tensor:
+def encode_eager(x: torch.Tensor, chunk_size: int, k: int, bits: int) -> torch.Tensor:
     """The packed message of ``x`` (1-d float32): codes ``index << bits | q``, then float32 scales."""
     idx, values = select(x, chunk_size, k)
     q, scales = quantize(values, bits)
@@ -125,6 +137,79 @@ def decode(msg: torch.Tensor, numel: int, chunk_size: int, k: int, bits: int) ->
     positions = codes.bitwise_right_shift(bits).add_(base).view(-1)
     values = levels(bits, msg.device)[q].mul_(scales.unsqueeze(1)).view(-1)
     return positions, values
+
+
+def _encode_native(fn, x: torch.Tensor, chunk_size: int, k: int, bits: int) -> torch.Tensor:
+    msg = torch.empty(message_bytes(x.numel(), chunk_size, k, bits), dtype=torch.uint8)
+    groups = torch.empty(chunk_size, dtype=torch.int32)
+    cand_idx, cand_mag = torch.empty(chunk_size, dtype=torch.int32), torch.empty(chunk_size, dtype=torch.int32)
+    chosen_idx, chosen_val, chosen_q = torch.empty(k, dtype=torch.int32), torch.empty(k), torch.empty(k, dtype=torch.int32)
+    fn(x.data_ptr(), x.numel(), chunk_size, k, bits, int(math.log2(chunk_size)), msg.data_ptr(), groups.data_ptr(),
+       cand_idx.data_ptr(), cand_mag.data_ptr(), chosen_idx.data_ptr(), chosen_val.data_ptr(), chosen_q.data_ptr())
+    return msg
+
+
+def _dense(numel: int, chunk_size: int, out: Optional[torch.Tensor], device: torch.device) -> torch.Tensor:
+    size = max(1, math.ceil(numel / chunk_size)) * chunk_size
+    return torch.empty(size, device=device) if out is None else out.view(-1)[:size]
+
+
+def decode_sum_eager(msgs: torch.Tensor, numel: int, chunk_size: int, k: int, bits: int,
+                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The sum of the messages ``msgs`` (ranks x bytes) as one dense vector of ``C x chunk_size`` float32
+    entries (into ``out`` when given), added rank by rank in rank order."""
+    total = _dense(numel, chunk_size, out, msgs.device).zero_()
+    for part in msgs.unbind(0):
+        positions, values = decode(part, numel, chunk_size, k, bits)
+        total.index_add_(0, positions, values)  # positions are unique within a message: deterministic
+    return total
+
+
+def _decode_sum_native(fn, msgs: torch.Tensor, numel: int, chunk_size: int, k: int, bits: int,
+                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    total = _dense(numel, chunk_size, out, msgs.device)
+    fn(msgs.data_ptr(), msgs.shape[0], msgs.shape[1], numel, chunk_size, k, bits, int(math.log2(chunk_size)),
+       total.data_ptr())
+    return total
+
+
+def _probe_inputs() -> list[tuple[torch.Tensor, int, int, int]]:
+    """Values with ties (a coarse grid), exact zeros, a short last chunk, one chunk shorter than k."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5 * 256 + 77, generator=g).mul_(4).round_().div_(4)
+    x[100:300] = 0
+    small = torch.randn(40, generator=g)
+    return [(x, 256, 16, 2), (x, 64, 64, 4), (x, 1024, 3, 8), (small, 64, 48, 2), (x.neg(), 8, 1, 2)]
+
+
+def _probe_encode() -> bool:
+    fn = native.raw("sparse_encode")
+    return all(torch.equal(_encode_native(fn, x, c, k, b), encode_eager(x, c, k, b)) for x, c, k, b in _probe_inputs())
+
+
+def _probe_decode() -> bool:
+    fn = native.raw("sparse_decode_sum")
+    for x, c, k, b in _probe_inputs():
+        msgs = torch.stack([encode_eager(x, c, k, b), encode_eager(x.flip(0), c, k, b), encode_eager(-x, c, k, b)])
+        if not torch.equal(_decode_sum_native(fn, msgs, x.numel(), c, k, b), decode_sum_eager(msgs, x.numel(), c, k, b)):
+            return False
+    return True
+
+
+def encode(x: torch.Tensor, chunk_size: int, k: int, bits: int) -> torch.Tensor:
+    """:func:`encode_eager`'s bytes, by the native kernel on CPU (one pass: see ``native.c``)."""
+    fn = native.kernel("sparse_encode", _probe_encode) if native.usable(x) and x.dtype == torch.float32 else None
+    return _encode_native(fn, x, chunk_size, k, bits) if fn is not None else encode_eager(x, chunk_size, k, bits)
+
+
+def decode_sum(msgs: torch.Tensor, numel: int, chunk_size: int, k: int, bits: int,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """:func:`decode_sum_eager`'s bits, by the native kernel on CPU (chunk by chunk, in cache)."""
+    usable = native.usable(msgs) and (out is None or native.usable(out) and out.dtype == torch.float32)
+    fn = native.kernel("sparse_decode_sum", _probe_decode) if usable else None
+    if fn is not None:
+        return _decode_sum_native(fn, msgs, numel, chunk_size, k, bits, out)
+    return decode_sum_eager(msgs, numel, chunk_size, k, bits, out)
 
 
 class SparseLoCoReducer(Reducer):
@@ -167,17 +252,9 @@ class SparseLoCoReducer(Reducer):
         size = msg.numel()
         sent: Optional[list[torch.Tensor]] = None
         if self.need_sent:
-            positions, values = decode(msg, n, self.chunk_size, self.k, self.bits)
-            dense = flat.new_zeros(max(1, math.ceil(n / self.chunk_size)) * self.chunk_size)
-            dense[positions] = values
-            sent = unflatten(dense[:n], tensors)
+            sent = unflatten(decode_sum(msg.view(1, -1), n, self.chunk_size, self.k, self.bits)[:n], tensors)
         gathered = torch.empty(world * size, dtype=torch.uint8, device=flat.device)
         gathered = yield self.ledger.all_gather_single(gathered, msg, **self.account(sync))
-        total = flat.new_zeros(max(1, math.ceil(n / self.chunk_size)) * self.chunk_size)
-        # Rank by rank, in rank order: positions are unique within a message, so every rank adds the
-        # same numbers in the same order and holds the same bits.
-        for part in gathered.view(world, size).unbind(0):
-            positions, values = decode(part, n, self.chunk_size, self.k, self.bits)
-            total.index_add_(0, positions, values)
-        total = total[:n].div_(world)
+        # Every rank adds the same numbers in the same (rank) order and holds the same bits.
+        total = decode_sum(gathered.view(world, size), n, self.chunk_size, self.k, self.bits)[:n].div_(world)
         return unflatten(total, tensors), sent

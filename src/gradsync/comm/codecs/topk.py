@@ -30,6 +30,7 @@ from typing import Hashable, Optional
 
 import torch
 
+from gradsync.comm.codecs import native
 from gradsync.comm.codecs.common import flatten, unflatten
 from gradsync.comm.futures import Reduction
 from gradsync.comm.reducer import Reducer
@@ -53,7 +54,8 @@ def compress(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     share. A strided sample of ``SAMPLE`` entries gives a magnitude a little below the k-th largest
     (four standard deviations of the sample count). ``x`` is viewed as ``BLOCK`` rows; a column whose
     largest magnitude (two reductions over the rows) reaches that threshold holds candidates, and
-    only those few columns are compared entry by entry. The exact top-k is taken among the
+    only those few columns are compared entry by entry (on CPU, one native pass over ``x`` finds the
+    same candidates: ``native.c``). The exact top-k is taken among the
     candidates, which come out in ascending index order and keep it. Should they be too few, the
     whole vector is searched. Ties at the k-th magnitude may resolve either way, as in ``torch.topk``.
     """
@@ -65,20 +67,11 @@ def compress(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         expected = k * sample.numel() / n  # sample entries above the k-th largest magnitude
         keep = min(sample.numel(), int(expected + 4 * math.sqrt(expected) + 8))
         threshold = torch.topk(sample, keep, sorted=False).values.min()
-        cols = n // BLOCK
-        rows = x[: cols * BLOCK].view(BLOCK, cols)
-        # Two reductions over the rows (aminmax(dim=0) is several times slower on CPU); no full-size abs.
-        hot = (rows.amax(0) >= threshold).logical_or_(rows.amin(0) <= -threshold).nonzero().squeeze(1)
-        block = rows.index_select(1, hot).abs_()
-        hit = (block >= threshold).view(-1).nonzero().squeeze(1)  # row-major: ascending flat index
-        candidates = hit.div(hot.numel(), rounding_mode="floor").mul_(cols).add_(
-            hot.index_select(0, hit.remainder(hot.numel())))
-        magnitudes = block.view(-1).index_select(0, hit)
-        if cols * BLOCK < n:
-            tail = x[cols * BLOCK:].abs()
-            at = (tail >= threshold).nonzero().squeeze(1)
-            candidates = torch.cat([candidates, at + cols * BLOCK])
-            magnitudes = torch.cat([magnitudes, tail.index_select(0, at)])
+        found = _native_candidates(x, threshold, room=int(1.5 * keep * n / sample.numel()) + 1024)
+        if found is not None:
+            candidates, magnitudes = found
+        else:
+            candidates, magnitudes = _candidates(x, threshold)
         if candidates.numel() >= k:
             chosen = torch.zeros(candidates.numel(), dtype=torch.bool, device=x.device)
             chosen[torch.topk(magnitudes, k, sorted=False).indices] = True  # a mask keeps the ascending order
@@ -88,12 +81,88 @@ def compress(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return idx.to(torch.int32), x[idx]
 
 
-def decompress(indices: torch.Tensor, values: torch.Tensor, numel: int, *,
-               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _candidates(x: torch.Tensor, threshold: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices (ascending) and magnitudes of every entry of ``x`` with ``|x| >= threshold``."""
+    n = x.numel()
+    cols = n // BLOCK
+    rows = x[: cols * BLOCK].view(BLOCK, cols)
+    # Two reductions over the rows (aminmax(dim=0) is several times slower on CPU); no full-size abs.
+    hot = (rows.amax(0) >= threshold).logical_or_(rows.amin(0) <= -threshold).nonzero().squeeze(1)
+    block = rows.index_select(1, hot).abs_()
+    hit = (block >= threshold).view(-1).nonzero().squeeze(1)  # row-major: ascending flat index
+    candidates = hit.div(hot.numel(), rounding_mode="floor").mul_(cols).add_(
+        hot.index_select(0, hit.remainder(hot.numel())))
+    magnitudes = block.view(-1).index_select(0, hit)
+    if cols * BLOCK < n:
+        tail = x[cols * BLOCK:].abs()
+        at = (tail >= threshold).nonzero().squeeze(1)
+        candidates = torch.cat([candidates, at + cols * BLOCK])
+        magnitudes = torch.cat([magnitudes, tail.index_select(0, at)])
+    return candidates, magnitudes
+
+
+def _candidates_native(fn, x: torch.Tensor, threshold: float, cap: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    while True:
+        idx, mags = torch.empty(cap, dtype=torch.int64), torch.empty(cap, dtype=torch.float32)
+        found = fn(x.data_ptr(), x.numel(), threshold, idx.data_ptr(), mags.data_ptr(), cap)
+        if found <= cap:
+            return idx[:found], mags[:found]
+        cap = found
+
+
+def _probe_candidates() -> bool:
+    fn = native.raw("topk_candidates")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(BLOCK * 1000 + 13, generator=g).mul_(8).round_().div_(8)  # ties at the threshold
+    for t in (0.0, 1.0, 2.5, 3.0, 100.0):
+        threshold = torch.tensor(t)
+        got, want = _candidates_native(fn, x, float(threshold)), _candidates(x, threshold)
+        if not (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])):
+            return False
+    return True
+
+
+def _native_candidates(x: torch.Tensor, threshold: torch.Tensor,
+                       room: int = 1024) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`_candidates` by one native pass on CPU (float32, contiguous; ``room`` for the expected
+    number of candidates, more is searched again); None elsewhere."""
+    if x.dtype != torch.float32 or not native.usable(x):
+        return None
+    fn = native.kernel("topk_candidates", _probe_candidates)
+    return None if fn is None else _candidates_native(fn, x, float(threshold), room)
+
+
+def decompress_eager(indices: torch.Tensor, values: torch.Tensor, numel: int, *,
+                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The dense vector of ``numel`` entries (into ``out`` when given): ``values`` at ``indices``, 0 elsewhere."""
     out = torch.zeros(numel, dtype=torch.float32, device=values.device) if out is None else out.view(-1)[:numel].zero_()
     out[indices.long()] = values.to(torch.float32)
     return out
+
+
+def decompress(indices: torch.Tensor, values: torch.Tensor, numel: int, *,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """:func:`decompress_eager`; on CPU, for ascending int32 indices (as :func:`compress` gives), one
+    native pass that zeroes and fills the vector block by block."""
+    if (indices.dtype == torch.int32 and values.dtype == torch.float32 and indices.numel()
+            and native.usable(indices, values, *([] if out is None else [out]))):
+        fn = native.kernel("topk_decode", _probe_decode)
+        if fn is not None:
+            dense = torch.empty(numel, dtype=torch.float32) if out is None else out.view(-1)[:numel]
+            if fn(indices.data_ptr(), values.data_ptr(), indices.numel(), numel, dense.data_ptr()) == 0:
+                return dense
+    return decompress_eager(indices, values, numel, out=out)
+
+
+def _probe_decode() -> bool:
+    fn = native.raw("topk_decode")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(10_000 + 7, generator=g)
+    idx, vals = compress(x, 123)
+    got = torch.full((x.numel(),), float("nan"))
+    return fn(idx.data_ptr(), vals.data_ptr(), idx.numel(), x.numel(), got.data_ptr()) == 0 and torch.equal(
+        got, decompress_eager(idx, vals, x.numel())) and fn(idx.flip(0).data_ptr(), vals.data_ptr(), 2, x.numel(),
+                                                            got.data_ptr()) == -1
 
 
 class TopKReducer(Reducer):
