@@ -161,3 +161,16 @@ def run_gloo(fn: Callable, world: int, *args: Any, tmp: Path, timeout: float = 6
     assert not alive, f"gloo workers hung for more than {timeout} s"
     assert all(p.exitcode == 0 for p in procs), f"worker exit codes {[p.exitcode for p in procs]}"
     return [torch.load(os.path.join(tmp, f"result{r}.pt"), weights_only=False) for r in range(world)]
+
+
+class ValLoss(Callback):
+    """Saves the validation loss over the whole validation set after fit (``val_loss{rank}.pt``)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = Path(out)
+
+    @torch.no_grad()
+    def on_fit_end(self, trainer, pl_module) -> None:
+        pl_module.eval()
+        losses = [pl_module.compute_loss((x.unsqueeze(0), y.unsqueeze(0)))[0] for x, y in trainer.datamodule.val_set]
+        torch.save(float(torch.stack(losses).mean()), self.out / f"val_loss{trainer.global_rank}.pt")

@@ -16,7 +16,7 @@ from gradsync.recipes import CharData, CharGPT, DigitsClassifier, DigitsData
 from gradsync.strategies import STRATEGIES, SyncStrategy
 from gradsync.strategies.compressed import CompressedStrategy
 from gradsync.strategies.parts import read_parts
-from harness import assert_resumed_at, fit, max_abs_diff
+from harness import ValLoss, assert_resumed_at, fit, max_abs_diff
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -310,17 +310,6 @@ def test_adam_correction_resumes_exactly(tmp_path):
 CHARGPT_STEPS = 80
 #: Relative val_loss over sync's the codecs may reach (issue: 2% for the dense codecs, 5% for sign/topk).
 CHARGPT_TOLERANCE = {"fp16": 0.02, "bf16": 0.02, "int8": 0.02, "powersgd": 0.02, "sign": 0.05, "topk": 0.05}
-
-
-class ValLoss(Callback):
-    def __init__(self, out: Path) -> None:
-        self.out = Path(out)
-
-    @torch.no_grad()
-    def on_fit_end(self, trainer, pl_module) -> None:
-        pl_module.eval()
-        losses = [pl_module.compute_loss((x.unsqueeze(0), y.unsqueeze(0)))[0] for x, y in trainer.datamodule.val_set]
-        torch.save(float(torch.stack(losses).mean()), self.out / f"val_loss{trainer.global_rank}.pt")
 
 
 def chargpt_val_loss(tmp_path, strategy) -> float:

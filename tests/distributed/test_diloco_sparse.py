@@ -11,11 +11,17 @@ from lightning.pytorch.callbacks import Callback
 
 from gradsync.recipes import DigitsClassifier, DigitsData
 from gradsync.strategies import DiLoCoStrategy
-from harness import ValAccuracy, digest, fit
+from harness import ValAccuracy, ValLoss, digest, fit
 
 pytestmark = pytest.mark.timeout(180)
 
 PERIOD, STEPS = 4, 48
+
+
+def sparse_message_bytes(numel: int) -> int:
+    """One packed message at the defaults, by hand: 64 of every 4096 entries in 12 + 2 bits, float32 scales."""
+    chunks = math.ceil(numel / 4096)
+    return math.ceil(chunks * 64 * (12 + 2) / 8) + 4 * chunks
 
 
 class Hashes(Callback):
@@ -59,8 +65,7 @@ def test_diloco_with_the_sparse_codec_trains_and_ranks_agree_after_rounds(tmp_pa
     moved = max((ranks[0]["params"][k] - untrained[k]).abs().max().item() for k in untrained)
     assert moved > 1e-2
     # one all-gather per round of one packed message of every parameter: (N - 1) x its size
-    chunks = math.ceil(numel / 4096)
-    message = math.ceil(chunks * 64 * (12 + 2) / 8) + 4 * chunks
+    message = sparse_message_bytes(numel)
     ledger = ranks[0]["ledger"]
     assert ledger["wire_bytes"] == STEPS // PERIOD * message
     fp32_sync = STEPS * 2 * (2 - 1) / 2 * 4 * numel
@@ -85,3 +90,32 @@ def test_chargpt_with_muon_under_diloco_and_the_sparse_codec_trains(tmp_path, op
     loss = ranks[0]["metrics"]["train_loss"]
     print(f"chargpt {optimizer}: train_loss {loss:.3f} after 24 steps (uniform guess {uniform:.3f})")
     assert loss < uniform - 0.25  # a random model sits at the uniform guess (±0.05 here)
+
+
+@pytest.mark.timeout(400)
+def test_diloco_with_the_sparse_codec_at_its_defaults_ends_within_2_percent_of_sync_on_chargpt(tmp_path):
+    """The lowcomm benchmark's chargpt (2 layers, 128 wide, AdamW at lr 3e-3) and lengths: sync 160
+    steps, low-communication runs 400. ``diloco --strategy.codec sparseloco`` with no other option
+    (period 8, SparseLoCo's outer step and error decay) must end within 2% of sync's validation loss."""
+    from gradsync.recipes import CharData, CharGPT
+    from gradsync.strategies import SyncStrategy
+
+    def make() -> CharGPT:
+        return CharGPT(n_layer=2, n_head=4, n_embd=128, block_size=64, lr=0.003, optimizer="adamw")
+
+    def val_loss(strategy, steps: int, out: Path) -> tuple[float, dict]:
+        L.seed_everything(0, verbose=False)
+        model = make()
+        data = CharData(max_chars=1_000_000, val_windows=64, batch_size=16)
+        ranks = fit(model, data, strategy=strategy, devices=2, max_steps=steps, out=out, callbacks=(ValLoss(out),))
+        return torch.load(out / "val_loss0.pt"), ranks[0]
+
+    sync, _ = val_loss(SyncStrategy(), 160, tmp_path / "sync")
+    sparse, rank0 = val_loss(DiLoCoStrategy(codec="sparseloco"), 400, tmp_path / "sparse")
+    print(f"chargpt val_loss: sync {sync:.3f} (160 steps), diloco + sparseloco at its defaults {sparse:.3f} (400 steps)")
+    assert sparse <= 1.02 * sync
+    # it was the sparse codec that crossed: 400 / 8 rounds of one packed message of every parameter
+    model = make()
+    model.build("".join(map(chr, range(32, 32 + rank0["params"]["net.tok_emb.weight"].shape[0]))))  # the data's size
+    numel = sum(p.numel() for p in model.parameters())
+    assert rank0["ledger"]["wire_bytes"] == 400 // 8 * sparse_message_bytes(numel)

@@ -92,3 +92,21 @@ def test_outer_momentum_warmup_ramp():
     # the default spans ceil(400 / period) outer steps: period 100 reaches 0.9 at t = 4, period 8 at t = 50
     assert DiLoCoStrategy(period=100).momentum_at(3) == pytest.approx(0.675)
     assert DiLoCoStrategy(period=8).momentum_at(49) < 0.9 == DiLoCoStrategy(period=8).momentum_at(50)
+
+
+def test_rounds_with_the_sparse_codec_default_to_sparseloco_outer_setting():
+    from gradsync.strategies.compressed import CompressedStrategy
+
+    sparse = DiLoCoStrategy(codec="sparseloco")
+    assert (sparse.outer_lr, sparse.outer_momentum, sparse.codec_spec.options["error_decay"]) == (1.0, 0.0, 0.95)
+    assert sparse.options["outer_lr"] == 1.0 and sparse.options["outer_momentum"] == 0.0
+    dense = DiLoCoStrategy(codec="int8")
+    assert (dense.outer_lr, dense.outer_momentum, dense.codec_spec.options["error_decay"]) == (0.7, 0.9, 1.0)
+    assert LocalSGDStrategy(codec="sparseloco").codec_spec.options["error_decay"] == 0.95
+    # what is given is kept
+    given = DiLoCoStrategy(codec="sparseloco", outer_lr=0.7, outer_momentum=0.9, error_decay=1.0)
+    assert (given.outer_lr, given.outer_momentum, given.codec_spec.options["error_decay"]) == (0.7, 0.9, 1.0)
+    # without error feedback there is no residual to decay (and no error for the default)
+    assert DiLoCoStrategy(codec="sparseloco", error_feedback=False).codec_spec.options["error_decay"] == 1.0
+    # the gradient codec keeps the whole residual (momentum correction carries the rest)
+    assert CompressedStrategy(codec="sparseloco").codec_spec.options["error_decay"] == 1.0

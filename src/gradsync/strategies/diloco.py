@@ -11,7 +11,8 @@ the pseudo-gradient Δ = mean_r(θ − x_r), and an outer SGD with Nesterov mome
 
 Every rank computes the same outer step from the same average, so every rank holds the same θ
 without a broadcast, and every rank restarts from it (x_r <- θ). With η = 1 and μ = 0 this is
-local SGD. The paper's defaults are η = 0.7, μ = 0.9.
+local SGD. The paper's defaults are η = 0.7, μ = 0.9; with the ``sparseloco`` codec the defaults
+are SparseLoCo's η = 1, μ = 0 (its decayed error-feedback residual does the momentum's work).
 
 It composes with the rest of gradsync's communication layer:
 
@@ -45,6 +46,13 @@ from gradsync.algorithms.diloco import default_momentum_warmup, momentum_at
 from gradsync.errors import check, spell
 from gradsync.strategies.periodic import PeriodicAveragingStrategy
 
+#: The DiLoCo paper's outer step (Douillard et al. 2023).
+PAPER_OUTER = {"outer_lr": 0.7, "outer_momentum": 0.9}
+#: SparseLoCo's (Sarfi et al. 2025, arXiv 2508.15706): a plain outer step, the decayed error-feedback
+#: residual (``error_decay`` 0.95) standing in for the momentum. With the sparse codec it ends lower
+#: than the paper's step at every period measured (docs/low-communication.md).
+SPARSE_OUTER = {"outer_lr": 1.0, "outer_momentum": 0.0}
+
 
 class DiLoCoStrategy(PeriodicAveragingStrategy):
     """DiLoCo: local inner steps, outer Nesterov SGD on the averaged pseudo-gradient every `period` steps."""
@@ -55,8 +63,8 @@ class DiLoCoStrategy(PeriodicAveragingStrategy):
         self,
         *,
         period: int = 8,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
+        outer_lr: Optional[float] = None,
+        outer_momentum: Optional[float] = None,
         outer_momentum_warmup: Optional[int] = None,
         fragments: int = 1,
         sync_delay: int = 0,
@@ -72,9 +80,11 @@ class DiLoCoStrategy(PeriodicAveragingStrategy):
             period: inner optimizer steps between outer steps of each fragment, >= 1 (the paper uses
                 500 for language models; small models on small data want far fewer). Communication
                 falls ~period-fold.
-            outer_lr: learning rate of the outer Nesterov SGD, > 0 (paper: 0.7). 1 with
-                ``outer_momentum`` 0 is plain local SGD; lower it if the loss jumps after rounds.
-            outer_momentum: Nesterov momentum of the outer SGD, in [0, 1) (paper: 0.9).
+            outer_lr: learning rate of the outer Nesterov SGD, > 0. Default: the paper's 0.7; 1 with the
+                ``sparseloco`` codec (SparseLoCo's plain outer step). 1 with ``outer_momentum`` 0 is
+                plain local SGD; lower it if the loss jumps after rounds.
+            outer_momentum: Nesterov momentum of the outer SGD, in [0, 1). Default: the paper's 0.9;
+                0 with ``sparseloco``, whose decayed error-feedback residual carries the momentum.
             outer_momentum_warmup: outer steps over which the momentum ramps up linearly,
                 ``max(min(outer_momentum, 0.5), outer_momentum * min(1, t / W))`` at a fragment's
                 t-th outer step; 0 uses the full momentum from the first. Default: ceil(400 / period), so the paper's H = 500 runs
@@ -96,6 +106,9 @@ class DiLoCoStrategy(PeriodicAveragingStrategy):
                 :class:`~gradsync.strategies.periodic.PeriodicAveragingStrategy`, and the DDP and
                 process-group options of :class:`~gradsync.strategies.base.GradsyncStrategy`.
         """
+        outer = SPARSE_OUTER if kwargs.get("codec") == "sparseloco" else PAPER_OUTER
+        outer_lr = outer["outer_lr"] if outer_lr is None else outer_lr
+        outer_momentum = outer["outer_momentum"] if outer_momentum is None else outer_momentum
         check(outer_lr > 0, "outer_lr", outer_lr, "must be > 0", f"the DiLoCo paper uses {spell('outer_lr', 0.7)}")
         check(0 <= outer_momentum < 1, "outer_momentum", outer_momentum, "must be in [0, 1)",
               f"the DiLoCo paper uses {spell('outer_momentum', 0.9)}")

@@ -16,8 +16,9 @@ a message packed end to end, followed by one float32 scale per chunk.
 
 **Error feedback** is essential and on by default (:class:`~gradsync.comm.error_feedback.ErrorFeedback`,
 ``e <- decay e + x - sent``). SparseLoCo decays the residual (``error_decay`` < 1): its accumulator
-then plays the part of DiLoCo's outer momentum, with a plain outer step. gradsync's ``diloco``
-keeps its outer Nesterov momentum, so the default is the undecayed residual (``error_decay`` 1).
+then plays the part of DiLoCo's outer momentum, with a plain outer step. The reducer's own default
+is the undecayed residual (``error_decay`` 1, as ``compressed`` uses it on gradients); ``diloco``
+and ``local_sgd`` rounds take SparseLoCo's 0.95, and ``diloco`` its plain outer step, by default.
 
 **Exchange.** One all-gather of the packed messages (every rank's is the same size); every rank
 decodes all N and adds them in rank order, then divides by N, so all ranks hold bit-identical means.
