@@ -32,7 +32,7 @@ import torch
 from benchmarks.common import Report, command_line
 from gradsync.comm.codecs.cast import Bf16Reducer, CastReducer, Fp16Reducer
 from gradsync.comm.codecs.int8 import Int4Reducer, Int8Reducer, QuantizedReducer
-from gradsync.comm.codecs import sparse
+from gradsync.comm.codecs import native, sparse
 from gradsync.comm.codecs import powersgd, sign, topk
 
 CHUNK = 2048      # entries per scale for int8, int4 and sign (the reducers default to 512)
@@ -192,6 +192,10 @@ def run(out: Path, quick: bool = False, device: Optional[str] = None) -> Report:
         _, gbps, fraction, ratio, two, many = figures[name]
         rep.notes.append(f"{name}: {gbps:.3g} GB/s, {fraction:.3g} of copy, compression ratio {ratio:.3g}, "
                          f"pays below {two:.3g} GB/s (2 ranks) / {many:.3g} GB/s ({LARGE_WORLD} ranks).")
+    if dev.type == "cpu":
+        rep.notes.append("kernels: " + ("the native CPU kernels (comm/codecs/native.c) for int8, int4, sign, topk and "
+                                        "sparseloco, byte-identical to the eager code; GRADSYNC_NATIVE_CODECS=0 runs "
+                                        "the eager code" if native.enabled() else "eager (GRADSYNC_NATIVE_CODECS=0)") + ".")
     rep.notes.append("compression ratio: fp32 bytes / bytes of one rank's message (payload + scales + indices).")
     rep.notes.append("pays below: the all-reduce bus bandwidth (nccl-tests convention, as in the allreduce suite) under "
                      "which encode + decode costs less than the wire time it saves: 2(N-1)/N / passes x GB/s x "
