@@ -59,10 +59,12 @@ def reference_flags(steps: int) -> list[str]:
 
 
 def steady_step_seconds(curve: list) -> float:
-    """Mean seconds per optimizer step between the first and the last validation of ``curve``."""
-    (first, t0, _), (last, t1, _) = curve[0], curve[-1]
-    if last <= first:
-        raise ValueError("the run validated once: a steady-state step time needs two validations")
+    """Mean seconds per optimizer step between the first and the last timed validation of ``curve``
+    (a validation after the end-of-fit round has no step time logged with it)."""
+    timed = [(step, wall) for step, wall, _ in curve if wall is not None]
+    if len(timed) < 2 or timed[-1][0] <= timed[0][0]:
+        raise ValueError("the run validated once: a steady-state step time needs two timed validations")
+    (first, t0), (last, t1) = timed[0], timed[-1]
     return (t1 - t0) / (last - first)
 
 
