@@ -39,6 +39,16 @@ def test_fit_two_processes_writes_summary_and_checkpoint(tmp_path):
     assert summary["global_batch_size"] == 2 * summary["micro_batch_size"]
     assert {"train_loss", "val_loss", "val_acc"} <= summary["metrics"].keys()
     assert all(v is not None for v in summary["metrics"].values())
+    # what each process holds, from tensor storage: fp32 weights, their gradients and SGD's momentum
+    # buffer, 4 bytes per parameter each, on both processes alike; sync keeps no state of its own
+    from gradsync.recipes import DigitsClassifier
+
+    numel = sum(p.numel() for p in DigitsClassifier().parameters())
+    memory = summary["memory"]
+    assert (memory["parameter_bytes"], memory["gradient_bytes"], memory["optimizer_state_bytes"]) == (4 * numel,) * 3
+    assert memory["algorithm_state_bytes"] == 0
+    assert memory["total_bytes"] == memory["max_total_bytes_any_process"] == 12 * numel
+    assert "memory / process" in r.stdout
     comm = summary["comm"]
     assert comm["compression_ratio"] == 1.0 and comm["collectives"] == 20 and comm["wire_bytes"] > 0
     # DDP's own all-reduce (no Python hook): its bytes are booked, its time is not measured, and no
@@ -50,6 +60,19 @@ def test_fit_two_processes_writes_summary_and_checkpoint(tmp_path):
     assert "ranks" not in ckpt["gradsync"] and len(read_parts(out / "checkpoints" / "last.ckpt")) == 2
     assert sorted(p.name.split("-")[0] for p in (out / "checkpoints" / "last.ckpt.ranks").iterdir()) == \
         ["rank00000", "rank00001"]  # the previous checkpoints' parts were removed
+
+
+def test_memory_counts_diloco_global_parameters_and_outer_momentum_as_algorithm_state(tmp_path):
+    from gradsync.recipes import DigitsClassifier
+
+    out = tmp_path / "run"
+    assert main(["fit", "--recipe", "digits", "--strategy", "diloco", "--strategy.period", "2", "--accelerator", "cpu",
+                 "--max-steps", "4", "--output-dir", str(out)]) == 0
+    memory = json.loads((out / "summary.json").read_text())["memory"]
+    numel = sum(p.numel() for p in DigitsClassifier().parameters())
+    assert memory["parameter_bytes"] == memory["optimizer_state_bytes"] == 4 * numel
+    # θ and the outer Nesterov momentum, 4 bytes per parameter each (plus a few step counters)
+    assert 8 * numel <= memory["algorithm_state_bytes"] <= 8 * numel + 1024, memory
 
 
 def test_fit_accumulate_reports_k(tmp_path):

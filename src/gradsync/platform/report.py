@@ -48,6 +48,12 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         ("wall time", f"{_fmt(summary.get('wall_seconds'))} s (this command, start-up included)"),
         ("samples/s", _fmt(summary.get("samples_per_second"))),
     ]
+    memory = summary.get("memory") or {}
+    if memory.get("total_bytes"):
+        rows.append(("memory / process", f"{_fmt_bytes(memory['total_bytes'])}: parameters "
+                     f"{_fmt_bytes(memory.get('parameter_bytes'))}, gradients {_fmt_bytes(memory.get('gradient_bytes'))}, "
+                     f"optimizer {_fmt_bytes(memory.get('optimizer_state_bytes'))}, algorithm "
+                     f"{_fmt_bytes(memory.get('algorithm_state_bytes'))} (tensor storage)"))
     for scope, t in (comm.get("by_scope") or {}).items():
         # the ratio is against flat fp32 sync, whose bytes are booked to the scope a strategy replaces
         ratio = f", ratio {_fmt(t.get('compression_ratio'))}" if t.get("logical_bytes") else ""

@@ -252,7 +252,9 @@ def build_trainer(spec: RunSpec, strategy: Union[Strategy, str], clock: _RunCloc
     user_callbacks = list(user_callbacks) if isinstance(user_callbacks, (list, tuple)) else [user_callbacks]
     user_plugins = given.pop("plugins", None) or []
     user_plugins = list(user_plugins) if isinstance(user_plugins, (list, tuple)) else [user_plugins]
-    callbacks: list[Callback] = [clock, TrainingStepLimit(spec.max_steps), CommMetrics(),
+    from gradsync.platform.memory import MemoryProbe
+
+    callbacks: list[Callback] = [clock, MemoryProbe(), TrainingStepLimit(spec.max_steps), CommMetrics(),
                                  RunInfo({"global_batch_size": global_batch}),
                                  ConfigConsistency(config_fingerprint(spec)), *user_callbacks]
     from gradsync.platform.progress import GradsyncProgressBar
@@ -433,6 +435,11 @@ def build_summary(spec: RunSpec, trainer: L.Trainer, model: Any, data: Any, cloc
 
     if dist.is_available() and dist.is_initialized():
         backend = dist.get_backend()
+    from gradsync.platform.memory import MemoryProbe
+
+    probe = next((c for c in trainer.callbacks if isinstance(c, MemoryProbe)), MemoryProbe())
+    memory = probe.summary(trainer, model, strategy.algorithm_memory_state() if isinstance(strategy, GradsyncStrategy)
+                           else None)
     params_agree = ranks_agree(list(model.parameters()))
     buffers_agree = ranks_agree(list(model.buffers()))
     nccl = None
@@ -460,6 +467,7 @@ def build_summary(spec: RunSpec, trainer: L.Trainer, model: Any, data: Any, cloc
         "global_batch_size": global_batch,
         "metrics": metrics,
         "comm": comm,
+        "memory": memory,
         "wall_seconds": round(wall_seconds, 3),
         "train_seconds": round(train_seconds, 3),
         "samples_per_second": sps if sps else None,  # rounded once, by RunTelemetry

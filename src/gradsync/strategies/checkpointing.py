@@ -32,6 +32,13 @@ class RankCheckpointing:
         """This rank's algorithm state (tensors on CPU). Subclasses extend it; keep the ledger."""
         return {"ledger": self.ledger.state_dict()}
 
+    def algorithm_memory_state(self) -> dict:
+        """The algorithm's own state, as counted in the run summary's memory: :meth:`algorithm_state_dict`
+        without the ledger and without what mirrors the module's parameters or optimizer state."""
+        state = self.algorithm_state_dict()
+        state.pop("ledger", None)
+        return state
+
     def load_algorithm_state_dict(self, state: dict) -> None:
         """Restore this rank's part of :meth:`algorithm_state_dict`."""
         if "ledger" in state:

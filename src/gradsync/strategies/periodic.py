@@ -288,6 +288,10 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
     def algorithm_state_dict(self) -> dict:
         return {**super().algorithm_state_dict(), **self.algorithm.state_dict(), "codec": self.codec_spec.signature()}
 
+    def algorithm_memory_state(self) -> dict:
+        mirrors = ("local_params", "local_optimizer_states")  # the module's own parameters and optimizer state
+        return {name: e.get() for name, e in self.algorithm.registry.entries.items() if name not in mirrors}
+
     def load_algorithm_state_dict(self, state: dict) -> None:
         super().load_algorithm_state_dict(state)
         state = dict(state)
