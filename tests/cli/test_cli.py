@@ -134,6 +134,9 @@ def test_bad_input_is_one_line_exit_2_no_traceback():
     (["--data", "collections.OrderedDict", "--recipe", "digits"], "must be a subclass of lightning.pytorch.core.datamodule"),
     (["--model", "gradsync.recipes.digits.DigitsClassifier"], "--model gradsync.recipes.digits.DigitsClassifier needs --data"),
     (["--strategy.backend", "nccl"], "--strategy.backend nccl: NCCL needs CUDA devices"),
+    # Lightning's own strategies are checked against the accelerator as L.Trainer does, before launch
+    (["--strategy", "fsdp", "--accelerator", "cpu", "--devices", "2"],
+     "--strategy: fsdp with --accelerator cpu: The strategy `fsdp` requires a GPU accelerator"),
     (["--strategy", "compressed", "--strategy.backend", "nccl", "--devices", "2"], "--strategy.backend nccl"),
     (["--devcies", "2"], "unknown flag --devcies; did you mean --devices?"),
     (["--strategy", "no_such_pkg.Strategy"], "--strategy 'no_such_pkg.Strategy': cannot import module"),

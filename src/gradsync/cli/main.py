@@ -397,7 +397,10 @@ def _option_error_flag(component: str, option: str) -> str:
 
 
 def _check_strategy(strategy, world_size: int, num_nodes: int, accelerator: str = "auto") -> None:
-    backend = (getattr(strategy, "options", None) or {}).get("backend") if not isinstance(strategy, str) else None
+    if isinstance(strategy, str):  # one of Lightning's own: as L.Trainer checks it against the accelerator
+        _check_lightning_strategy(strategy, accelerator)
+        return
+    backend = (getattr(strategy, "options", None) or {}).get("backend")
     if backend == "nccl":
         import torch
 
@@ -408,6 +411,26 @@ def _check_strategy(strategy, world_size: int, num_nodes: int, accelerator: str 
         strategy.check_world_size(world_size)
     if hasattr(strategy, "check_layout"):
         strategy.check_layout(world_size, num_nodes)
+
+
+def _check_lightning_strategy(name: str, accelerator: str) -> None:
+    """Lightning's strategy ``name`` with ``accelerator``, as L.Trainer accepts it (one process, nothing
+    set up): a pairing it refuses (``fsdp`` on CPU) fails here in one line, not in every launched worker."""
+    import logging
+
+    import lightning as L
+
+    quiet = logging.getLogger("lightning.pytorch")
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)
+    try:
+        L.Trainer(accelerator=accelerator, devices=1, strategy=name, logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False)
+    except Exception as exc:  # Lightning's MisconfigurationException, ValueError ...
+        hint = "; gradsync's strategies run on CPU (gradsync list)" if accelerator == "cpu" else ""
+        raise ValueError(f"{name} with --accelerator {accelerator}: {_one_line(exc).rstrip('.')}{hint}") from None
+    finally:
+        quiet.setLevel(level)
 
 
 def validate_spec(spec) -> None:
