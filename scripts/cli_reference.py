@@ -238,6 +238,7 @@ def _option_names(cls: type) -> list[str]:
 
 def _other_commands() -> list[str]:
     from gradsync.cli.doctor import main as doctor
+    from gradsync.cli.export import build_parser as export_parser
     from gradsync.cli.sample import build_parser as sample_parser
     from gradsync.platform.compare import cmd_compare
 
@@ -250,6 +251,10 @@ def _other_commands() -> list[str]:
         ("compare", "A side-by-side table (and plots) of finished runs' `summary.json`.",
          lambda: cmd_compare(["--help"])),
         ("sample", "Text from a `chargpt` checkpoint.", lambda: sample_parser().print_help()),
+        ("export", "The run's model as one plain `state_dict` (`torch.save`, tensors on CPU, written atomically) "
+                   "that loads into the unsharded module with `torch.load(path, weights_only=True)`: rank 0's "
+                   "weights from the checkpoint, which every rank shares after a synchronization.",
+         lambda: export_parser().print_help()),
     ]
     out: list[str] = []
     for name, what, show_help in sections:

@@ -29,6 +29,7 @@ USAGE = """usage: gradsync {fit,validate,test} [--recipe NAME | --model CLASS --
        gradsync doctor [--devices N]          (versions, devices, environment, an all-reduce check)
        gradsync compare RUN_DIR... [--output-dir DIR]   (side-by-side table and plots of finished runs)
        gradsync sample --checkpoint RUN_DIR|FILE [--prompt TEXT] [--num-chars N]   (text from a chargpt checkpoint)
+       gradsync export RUN_DIR|FILE [--output FILE]   (the model as one plain state_dict, default RUN_DIR/model.pt)
        gradsync {fit,validate,test} --help     (flags of the chosen recipe and strategy)"""
 
 COMMANDS = ("fit", "validate", "test")
@@ -570,6 +571,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             from gradsync.cli.sample import cmd_sample
 
             return cmd_sample(rest)
+        if command == "export":
+            from gradsync.cli.export import cmd_export
+
+            return cmd_export(rest)
         if command in COMMANDS:
             from gradsync.platform.launch import handed_over
 
@@ -577,7 +582,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             if spec is None and not ({"-h", "--help"} & set(rest)):
                 precheck(command, rest)
             return cmd_run(command, rest, spec)
-        raise UsageError(f"unknown command {command!r}; choose one of fit, validate, test, list, compare, sample")
+        raise UsageError(f"unknown command {command!r}; choose one of fit, validate, test, list, compare, sample, export")
     except (UsageError, GradsyncError) as exc:
         # one write: every rank may print it into the same pipe, and print() writes the newline apart
         sys.stderr.write(f"gradsync: error: {exc}\n")
