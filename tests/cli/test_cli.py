@@ -175,7 +175,7 @@ def test_unknown_command_is_one_line(capsys):
     assert main(["frobnicate"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "gradsync: error: unknown command 'frobnicate'; choose one of fit, validate, test, list, compare, " \
-                  "sample"
+                  "sample, export"
 
 
 def test_corrupt_checkpoint_is_one_line(tmp_path, capsys):
