@@ -67,6 +67,9 @@ def _replica(index: int, lighthouse: str, batches: list, start: dict, period: in
         torch.save({k: v.detach().clone() for k, v in net.state_dict().items()}, os.path.join(out, f"ft{index}.pt"))
     finally:
         manager.shutdown(wait=False)
+    # The result is saved. torchft's background threads can abort the interpreter's own teardown
+    # ("terminate called without an active exception", exit -6) after all work is done: leave without it.
+    os._exit(0)
 
 
 @pytest.mark.parametrize("fragments", [1, 2], ids=["diloco", "streaming"])
