@@ -52,7 +52,7 @@ class DumpRankState(Callback):
         # the algorithm state first: reading it waits for anything in flight, which the ledger then counts
         algorithm = strategy.algorithm_state_dict() if hasattr(strategy, "algorithm_state_dict") else None
         state = {
-            "params": {k: v.detach().clone() for k, v in pl_module.state_dict().items()},
+            "params": {k: full(v).detach().clone() for k, v in pl_module.state_dict().items()},
             "global_step": trainer.global_step,
             "start_step": self.start_step,
             "batches_run": self.batches_run,
@@ -64,6 +64,11 @@ class DumpRankState(Callback):
             "skipped": list(getattr(strategy, "skipped_steps", [])),
         }
         torch.save(state, self.out / f"rank{trainer.global_rank}.pt")
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor: a DTensor (a shard under FSDP2) is gathered from its processes (collective)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def fit(model: L.LightningModule, data: L.LightningDataModule, *, strategy: Any = "auto", devices: int = 1,

@@ -80,3 +80,12 @@ def test_mark_optimizer_stepped_silences_the_schedulers_warning():
 
     assert scheduler_warnings(mark=False)  # what async_ps would show every run without it
     assert not scheduler_warnings(mark=True)
+
+
+def test_device_mesh_member_of_a_lightning_module():
+    module = BoringModel()
+    mesh = object()
+    lp.set_device_mesh(module, mesh)
+    assert module.device_mesh is mesh  # what a module's configure_model reads
+    with pytest.raises(lp.LightningInternalsChanged, match="_device_mesh"):
+        lp.set_device_mesh(torch.nn.Linear(1, 1), mesh)

@@ -37,16 +37,26 @@ def strided_fragments(names: list[str], fragments: int) -> list[list[int]]:
     return [sorted(f) for f in out]
 
 
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This process's part of ``t``: the local shard of a DTensor (FSDP2), else ``t`` itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
 class Layout:
-    """A module's trainable parameters (named, in model order), its floating buffers and fragments."""
+    """A module's trainable parameters (named, in model order), its floating buffers and fragments.
+
+    Under FSDP2 a parameter is a DTensor and ``params`` holds this process's shard of it (a view:
+    writing it writes the parameter); ``num_trainable`` counts whole parameters.
+    """
 
     def __init__(self, module: torch.nn.Module, *, with_buffers: bool = True, fragments: int = 1) -> None:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
-        self.params = [p for _, p in named]
+        self.params = [local_part(p) for _, p in named]
         self.buffers = [b for _, b in module.named_buffers() if b.is_floating_point()] if with_buffers else []
         self.fragments = strided_fragments(self.names, fragments)
-        self.num_trainable = sum(p.numel() for p in self.params)
+        self.num_trainable = sum(p.numel() for _, p in named)
 
     def values(self, indices: list[int]) -> list[torch.Tensor]:
         """Copies of the parameters ``indices``, as they are now."""

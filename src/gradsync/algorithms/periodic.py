@@ -193,6 +193,9 @@ class PeriodicAveraging:
         self.ledger = ledger if ledger is not None else CommLedger()
         self.overlap, self.fragment_alpha = bool(overlap), float(fragment_alpha)
         self.with_buffers, self.buffer_group, self.scope = bool(average_buffers), buffer_group, scope
+        #: the group parameter-shaped tensors are averaged over outside rounds (None: the buffer group);
+        #: under FSDP2 the processes that hold the same shard (one per node)
+        self.param_group: Optional[dist.ProcessGroup] = None
         self._layout: Optional[Layout] = None
         self._reducer: Optional[Reducer] = None
         self._restored_reducer_state: Optional[dict] = None
@@ -299,12 +302,13 @@ class PeriodicAveraging:
 
     @torch.no_grad()
     def mean_over_ranks(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The fp32 mean of ``tensors`` over the buffer group (every rank), in their own dtypes; blocking."""
-        world = self._world()
+        """The fp32 mean of ``tensors`` over every rank (the parameter group), in their own dtypes; blocking."""
+        group = self.param_group if self.param_group is not None else self.buffer_group
+        world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
         if world == 1:
             return [t.clone() for t in tensors]
         flat = torch.cat([t.reshape(-1).to(torch.float32) for t in tensors])
-        self.ledger.all_reduce(flat, group=self.buffer_group, scope=self.scope, sync=("common", 0, 0))
+        self.ledger.all_reduce(flat, group=group, scope=self.scope, sync=("common", 0, 0))
         flat.div_(world)
         out, pos = [], 0
         for t in tensors:

@@ -38,13 +38,14 @@ from gradsync.comm.topology import Topology
 from gradsync.errors import GradsyncError, check, spell
 from gradsync.strategies import parts as rank_parts
 from gradsync.strategies.lightning_private import (
-    layer_sync, process_group_backend, process_group_timeout, set_layer_sync,
+    layer_sync, process_group_backend, process_group_timeout, set_device_mesh, set_layer_sync,
     set_process_group_backend,
 )
 from gradsync.algorithms.gradients import all_finite, normalize_weighted
 from gradsync.strategies.checkpointing import RankCheckpointing
 from gradsync.strategies.collectives import CountedCollectives
 from gradsync.strategies.scope import NodeScope
+from gradsync.strategies.sharding import NodeSharding
 from gradsync.strategies.sync_batchnorm import layer_sync_for
 
 Backend = Literal["auto", "nccl", "gloo"]
@@ -57,7 +58,7 @@ _UNUSED_PARAMETERS = re.compile(r"Expected to have finished reduction in the pri
 _DDP_OPTIONS = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "find_unused_parameters")
 
 
-class GradsyncStrategy(RankCheckpointing, NodeScope, CountedCollectives, DDPStrategy):
+class GradsyncStrategy(RankCheckpointing, NodeSharding, NodeScope, CountedCollectives, DDPStrategy):
     """Base of all gradsync strategies. Not registered itself; subclasses set ``strategy_name``."""
 
     strategy_name: ClassVar[str] = ""
@@ -186,6 +187,9 @@ class GradsyncStrategy(RankCheckpointing, NodeScope, CountedCollectives, DDPStra
         self.ledger.world_size = self.world_size
         if dist.is_available() and dist.is_initialized():
             self.topology = self.build_topology()
+            if self.sharded and self.lightning_module is not None:
+                # a module that shards itself in configure_model uses it (Lightning's FSDP2 convention)
+                set_device_mesh(self.lightning_module, self.node_mesh())
 
     # ---- training loop -----------------------------------------------------------------------
     def setup(self, trainer: Any) -> None:
@@ -236,6 +240,8 @@ class GradsyncStrategy(RankCheckpointing, NodeScope, CountedCollectives, DDPStra
             result = closure()
             if self._weighted:
                 self._normalize_weighted_gradients(optimizer)
+            if self.sharded:  # the node's mean gradient shards, averaged across nodes as the strategy says
+                self.reduce_gradient_shards(optimizer, self.lightning_module.trainer.global_step)
             return result
 
         try:
@@ -259,7 +265,9 @@ class GradsyncStrategy(RankCheckpointing, NodeScope, CountedCollectives, DDPStra
             self._weight_sum, self._weighted = 0.0, False
 
     def _all_gradients_finite(self, optimizer: Any) -> bool:
-        return all_finite(optimizer, ledger=self.ledger, ask_every_rank=not self.gradients_synchronized,
+        # shards differ per process: every process must be asked
+        ask = not self.gradients_synchronized or self.sharded
+        return all_finite(optimizer, ledger=self.ledger, ask_every_rank=ask,
                           device=self.root_device)
 
     def averaged_over(self) -> tuple[Optional[Any], int]:
@@ -287,6 +295,9 @@ class GradsyncStrategy(RankCheckpointing, NodeScope, CountedCollectives, DDPStra
             self.model.register_comm_hook(state, hook)
 
     def configure_ddp(self) -> None:
+        if self.sharded:  # FSDP2 over the node's processes instead of a DDP replica
+            self.model = self.shard_module(self.model)
+            return  # the checkpoint is restored after set-up, into the shards (load_model_state_dict)
         super().configure_ddp()
         if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
             self._register_comm_hook()

@@ -58,12 +58,17 @@ class RankCheckpointing:
             rank_parts.write_part(path, self.global_rank, token, local)
         except OSError as exc:
             failure = f"rank {self.global_rank} could not write its checkpoint part under {rank_parts.parts_dir(path)}: {exc}"
+        sharded = None
+        if self.sharded:  # every process writes its shards of the model and optimizer state (collective)
+            sharded = self.write_sharded_state(rank_parts.shards_dir(path, token))
         if not self._all_ranks_ok(not failure):
             raise GradsyncError(failure or f"checkpoint {path} not written: another rank could not write its part "
                                            "(its error is in that rank's log); the previous checkpoint is intact")
         checkpoint["gradsync"] = {"strategy": self.strategy_name, "world_size": self.world_size, "token": token,
                                   "parts": rank_parts.parts_dir(path).name,
                                   "accumulation_steps": self.accumulation_steps, **self.checkpoint_layout()}
+        if sharded is not None:
+            checkpoint["gradsync"]["sharded"] = sharded
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # rank 0 commits
         # Once the new manifest is in place (rank 0 says so), no manifest names the older parts.
         if self._all_ranks_ok(True):
@@ -71,9 +76,11 @@ class RankCheckpointing:
 
     def checkpoint_layout(self) -> dict:
         """Facts about the job a resume needs to reshard (e.g. processes per node); JSON-able."""
-        if self.scope != "node" or self.topology is None:
+        if (self.scope != "node" and not self.sharded) or self.topology is None:
             return {}
-        return {"scope": "node", "procs_per_node": self.topology.procs_per_node, "num_nodes": self.topology.num_nodes}
+        layout = {"scope": self.scope, "procs_per_node": self.topology.procs_per_node,
+                  "num_nodes": self.topology.num_nodes}
+        return {**layout, "shard": "node"} if self.sharded else layout
 
     def remove_checkpoint(self, filepath: Any) -> None:
         rank_parts.remove_parts(filepath, self.global_rank)
@@ -98,6 +105,10 @@ class RankCheckpointing:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         # Applied in configure_ddp, once hooks and their state exist (DDP restores before setup).
         manifest = checkpoint.get("gradsync")
+        if manifest and manifest.get("sharded") and not self.sharded:
+            raise GradsyncError(f"--resume: {checkpoint_path} was written with --strategy.shard node (each process "
+                                "wrote its shards); resume with --strategy.shard node, or write one plain state_dict "
+                                "with `gradsync export`")
         self._restored_algorithm_state = rank_parts.SavedParts(manifest, checkpoint_path) if manifest else None
         trainer = None
         if self.lightning_module is not None:

@@ -36,6 +36,7 @@ from gradsync.comm.reducer import IdentityReducer, Reducer
 from gradsync.errors import check, spell
 from gradsync.strategies.base import GradsyncStrategy
 from gradsync.strategies.local_clip import LocalClipState, local_clip_hook
+from gradsync.strategies.sharding import Shard
 
 
 #: Codecs whose error feedback ``compressed`` turns on by default. The others send an unbiased or
@@ -82,6 +83,7 @@ class CompressedStrategy(GradsyncStrategy):
         error_decay: float = CODEC_OPTIONS["error_decay"][0],
         scope: Literal["world", "node"] = "world",
         procs_per_node: Optional[int] = None,
+        shard: Shard = "none",
         **kwargs: Any,
     ) -> None:
         """
@@ -114,6 +116,9 @@ class CompressedStrategy(GradsyncStrategy):
                 fp32 reduce-scatter inside the node, the codec across nodes on the shard, fp32
                 all-gather inside the node — so only the slow hop is compressed.
             procs_per_node: force the layout (K processes play one node), for tests on one machine.
+            shard: ``none``: a full replica per process (DDP); ``node``: parameters, gradients and optimizer
+                state sharded over the node's processes (FSDP2), and each process's gradient shard
+                crosses nodes through the codec (compressed HSDP).
             **kwargs: options of :class:`~gradsync.strategies.base.GradsyncStrategy` (backend,
                 timeout_seconds, bucket_cap_mb, ...).
         """
@@ -137,6 +142,13 @@ class CompressedStrategy(GradsyncStrategy):
               f"set {spell('warmup_steps', POWERSGD_MIN_WARMUP)} or more, or {spell('error_feedback', False)} "
               f"{spell('warm_start', False)}")
         super().__init__(**kwargs)
+        self._set_shard(shard)
+        check(not (self.sharded and scope == "node"), "scope", scope,
+              "is implied by shard node (FSDP2 reduces inside the node, the codec runs across nodes)",
+              f"drop {spell('scope')}")
+        check(not (self.sharded and momentum_correction and codec in MOMENTUM_CODECS), "momentum_correction",
+              True, f"is not available with shard node: codec {codec} compresses the gradient shards there",
+              f"add {spell('momentum_correction', False)}")
         self._set_scope(scope, procs_per_node)
         self.codec = codec
         self.warmup_steps = warmup_steps
@@ -180,8 +192,22 @@ class CompressedStrategy(GradsyncStrategy):
             return self._local_clip, local_clip_hook
         return self._hook_state, reducer_hook
 
+    def configure_ddp(self) -> None:
+        super().configure_ddp()
+        if self.sharded:  # no DDP hook: the reducers run on the gradient shards after backward
+            reducer, warmup = self._build_reducers()
+            self._hook_state = ReducerHookState(reducer=reducer, warmup=warmup, warmup_steps=self.schedule.warmup_steps,
+                                                steps=self.schedule)
+
+    def sharded_gradient_reducer(self) -> Reducer:
+        state = self._hook_state
+        return state.warmup if self.schedule.num_steps < self.schedule.warmup_steps else state.reducer
+
     def _build_reducers(self) -> tuple[Reducer, Reducer]:
         """The codec's reducer and the warm-up's, wrapped as the scope and momentum correction ask."""
+        if self.sharded and self.topology is not None:
+            inter = self.topology.inter
+            return self._new_reducer(inter, INTER), IdentityReducer(ledger=self.ledger, group=inter, scope=INTER)
         if self.scope == "node" and self.topology is not None:
             inter, intra = self.topology.inter, self.topology.intra
             reducer: Reducer = NodeReducer(self._new_reducer(inter, INTER), intra=intra)

@@ -116,3 +116,10 @@ def layer_sync(strategy: Any) -> Any:
 def set_layer_sync(strategy: Any, plugin: Any) -> None:
     layer_sync(strategy)
     strategy._layer_sync = plugin
+
+
+def set_device_mesh(module: Any, mesh: Any) -> None:
+    """What ``LightningModule.device_mesh`` returns (Lightning's ``ModelParallelStrategy`` sets the same member)."""
+    if not hasattr(module, "_device_mesh"):
+        raise _missing("LightningModule", "_device_mesh", "a module cannot shard itself in configure_model under shard node")
+    module._device_mesh = mesh

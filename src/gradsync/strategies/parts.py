@@ -34,6 +34,7 @@ from gradsync.errors import GradsyncError
 
 SUFFIX = ".ranks"
 _PART = re.compile(r"^rank(\d+)-([0-9a-f]+)\.pt$")
+_SHARDS = re.compile(r"^shards-([0-9a-f]+)$")
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
@@ -65,6 +66,11 @@ def part_path(checkpoint: str | os.PathLike, rank: int, token: str) -> Path:
     return parts_dir(checkpoint) / f"rank{rank:05d}-{token}.pt"
 
 
+def shards_dir(checkpoint: str | os.PathLike, token: str) -> Path:
+    """Where every process writes its shards of a sharded model (torch.distributed.checkpoint)."""
+    return parts_dir(checkpoint) / f"shards-{token}"
+
+
 def write_part(checkpoint: str | os.PathLike, rank: int, token: str, state: dict) -> Path:
     path = part_path(checkpoint, rank, token)
     atomic_torch_save(state, path)
@@ -80,6 +86,9 @@ def remove_stale_parts(checkpoint: str | os.PathLike, rank: int, keep: set[str])
         m = _PART.match(f.name)
         if m and int(m.group(1)) == rank and m.group(2) not in keep:
             f.unlink(missing_ok=True)
+        shards = _SHARDS.match(f.name)
+        if shards and rank == 0 and shards.group(1) not in keep:  # the sharded model's folder: rank 0 removes it
+            shutil.rmtree(f, ignore_errors=True)
 
 
 def remove_parts(checkpoint: str | os.PathLike, rank: Optional[int] = None) -> None:
@@ -147,6 +156,16 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning CheckpointIO that writes atomically and loads with ``weights_only``."""
 
     def save_checkpoint(self, checkpoint: dict, path: Any, storage_options: Optional[Any] = None) -> None:
+        shards = [k for k, v in checkpoint.items() if type(v).__name__ == "DTensor"]
+        if shards:
+            # Lightning's fork/spawn launchers hand rank 0's module state to the main process; a sharded
+            # module's is a shard, which the main process's full module cannot take
+            import warnings
+
+            warnings.warn("shard node: the launching process keeps its module's initial weights (each process held a "
+                          "shard); the trained model is in the checkpoint (`gradsync export` writes it whole)",
+                          stacklevel=2)
+            checkpoint = {k: v for k, v in checkpoint.items() if k not in shards}
         atomic_torch_save(checkpoint, path)
 
     def load_checkpoint(self, path: Any, map_location: Any = "cpu", weights_only: Optional[bool] = None) -> dict:

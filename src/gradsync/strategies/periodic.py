@@ -31,6 +31,7 @@ from gradsync.comm.reducer import Reducer
 from gradsync.errors import GradsyncError, check, spell
 from gradsync.strategies.base import GradsyncStrategy
 from gradsync.strategies.lightning_private import ddp_kwargs
+from gradsync.strategies.sharding import Shard
 
 Scope = Literal["world", "node"]
 
@@ -98,6 +99,7 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
         error_decay: Optional[float] = None,
         scope: Scope = "world",
         procs_per_node: Optional[int] = None,
+        shard: Shard = "none",
         **kwargs: Any,
     ) -> None:
         """
@@ -127,6 +129,9 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
                 each node holds one replica, and rounds (with their codec) run across nodes only.
             procs_per_node: force the layout (K processes play one node), for tests on one machine;
                 default: what torchrun / SLURM say.
+            shard: ``none``: every process holds a full replica; ``node``: each node is one replica whose
+                parameters, gradients and optimizer state are sharded over its processes (FSDP2), and a
+                round reduces each process's parameter shard across nodes (implies ``scope node``).
             **kwargs: DDP and process-group options of :class:`~gradsync.strategies.base.GradsyncStrategy`.
         """
         if error_decay is None:
@@ -143,7 +148,9 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
         for option, value in self.codec_spec.options.items():
             setattr(self, option, value)
         super().__init__(**kwargs)
-        self._set_scope(scope, procs_per_node)
+        self._set_shard(shard)
+        # a sharded node holds one replica: rounds run across nodes
+        self._set_scope("node" if self.sharded else scope, procs_per_node)
         # Buffers are averaged at rounds (average_buffers) or stay local; DDP's per-forward
         # broadcast of rank 0's buffers would be unaccounted traffic that overrides both.
         ddp_kwargs(self)["broadcast_buffers"] = False
@@ -185,15 +192,18 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
             # Lightning's checkpoint holds rank 0's weights and optimizer state only; between rounds
             # every rank has its own
             registry = self._algorithm.registry
-            registry.register("local_params", "averaged", self._local_params, self._load_local_params)
-            registry.register("local_optimizer_states", "per_rank", lambda: [o.state_dict() for o in self.optimizers],
-                              self._keep_optimizer_states)
+            if not self.sharded:  # sharded: each node's shards are in the checkpoint's own folder
+                registry.register("local_params", "averaged", self._local_params, self._load_local_params)
+                registry.register("local_optimizer_states", "per_rank",
+                                  lambda: [o.state_dict() for o in self.optimizers], self._keep_optimizer_states)
         algorithm = self._algorithm
         # the module is known once the trainer connects it, gradsync's groups once they are set up
         if algorithm.module is None and self.lightning_module is not None:
             algorithm.module = self.lightning_module
         if self.topology is not None and algorithm.buffer_group is None:
             algorithm.buffer_group, algorithm.scope = self.comm_group, self.round_scope()
+            if self.sharded:  # parameter-shaped tensors are shards: equal in shape across nodes only
+                algorithm.param_group = self.topology.inter
         return algorithm
 
     @property
@@ -201,11 +211,18 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
         """The reducer of rounds (built on gradsync's own group at first use)."""
         if self._round_reducer is None:
             reducer = self.codec_spec.build(ledger=self.ledger, group=self.round_group(), scope=self.round_scope())
-            if self.scope == "node":
+            if self.scope == "node" and not self.sharded:
                 # every process of a node holds the same replica: each sends its 1/K shard across nodes
                 reducer = NodeReducer(reducer, intra=self.topology.intra, replicated=True)
             self._round_reducer = reducer
         return self._round_reducer
+
+    #: At a checkpoint the nodes' local parameters differ: each node's shards are kept.
+    nodes_may_differ = True
+
+    def sharded_gradient_reducer(self) -> Optional[Reducer]:
+        # warm-up steps are synchronous across nodes; local steps stay inside the node
+        return self.inter_node_reducer() if self.schedule.in_warmup else None
 
     def round_group(self) -> Optional[dist.ProcessGroup]:
         """The process group rounds average over (node scope: this local rank's inter-node group)."""
@@ -317,6 +334,8 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
         """Keep what every rank shares, average the ranks' local parameters, reset the rest — by the
         kinds the algorithm's state registry declares — and say so in one warning."""
         out = self.algorithm.reshard(parts)
+        if self.sharded:
+            _drop_shard_shaped(out)
         if "codec state" in out.reset:
             names = self.codec_spec.state_names()
             out.reset[out.reset.index("codec state")] = \
@@ -327,6 +346,24 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
 
     def run_stats(self) -> dict:
         return self.algorithm.stats()
+
+
+#: Algorithm state shaped like this process's shards: it cannot follow a change of processes per node.
+_SHARD_SHAPED = ("global_params", "outer_optimizer", "last_common", "pending", "anchor", "reducer")
+
+
+def _drop_shard_shaped(out: Any) -> None:
+    """A sharded run resumed on another layout: the model and optimizer follow (the checkpoint's
+    folder reshards), state shaped by the old shards restarts from the loaded model."""
+    for name in _SHARD_SHAPED:
+        if name in out.state:
+            out.state.pop(name)
+            label = {"reducer": "codec state", "global_params": "global parameters (from the loaded model)",
+                     "outer_optimizer": "outer momentum", "last_common": "last common point (the loaded model)",
+                     "pending": "pending (the fragment in flight)", "anchor": "anchor"}[name]
+            out.kept = [k for k in out.kept if not k.startswith(name)]
+            if label not in out.reset:
+                out.reset.append(label)
 
 
 class _FinalRound(Callback):

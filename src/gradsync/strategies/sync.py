@@ -7,8 +7,10 @@ from typing import Any, Optional
 import torch
 
 from gradsync.comm.ddp import AllReduceState, allreduce_hook, allreduce_sum_hook, record_builtin_allreduce
+from gradsync.comm.reducer import Reducer
 from gradsync.errors import check
 from gradsync.strategies.base import GradsyncStrategy
+from gradsync.strategies.sharding import Shard
 
 __all__ = ["AllReduceState", "SyncStrategy", "allreduce_hook", "allreduce_sum_hook"]
 
@@ -24,17 +26,28 @@ class SyncStrategy(GradsyncStrategy):
 
     strategy_name = "sync"
 
-    def __init__(self, *, time_comm: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *, time_comm: bool = False, shard: Shard = "none", procs_per_node: Optional[int] = None,
+                 **kwargs: Any) -> None:
         """
         Args:
             time_comm: time every bucket's all-reduce (issue to completion) through a Python hook, so the
                 summary and the logs show the communication share of training time (``comm/time_share``);
                 costs about 2% of throughput against DDP's own all-reduce (``python -m benchmarks overhead``).
+            shard: ``none``: every process holds a full replica (DDP); ``node``: parameters, gradients and
+                optimizer state are sharded over the processes of a node (FSDP2), and the gradient shards
+                are averaged across nodes in fp32 by gradsync (HSDP, counted by the ledger).
+            procs_per_node: with ``shard node``, force the layout (K processes play one node), for tests
+                on one machine; default: what torchrun / SLURM say.
             **kwargs: :class:`~gradsync.strategies.base.GradsyncStrategy`'s options.
         """
         check(isinstance(time_comm, bool), "time_comm", time_comm, "must be true or false")
         self.time_comm = time_comm
         super().__init__(**kwargs)
+        self._set_shard(shard)
+        self._set_scope("world", procs_per_node)
+
+    def sharded_gradient_reducer(self) -> Reducer:
+        return self.inter_node_reducer()
 
     #: True once :meth:`build_comm_hook` chose the summing hook: then backward divides the loss by N.
     _mean_in_loss = False

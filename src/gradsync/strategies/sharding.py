@@ -1,0 +1,255 @@
+"""Sharding inside the node (``shard="node"``): FSDP2 inside, gradsync's synchronization across nodes.
+
+With ``shard="node"`` the parameters, gradients and optimizer state of every process are a 1/K
+shard of the model (K processes per node): torch's FSDP2 ``fully_shard`` over the node's processes
+all-gathers a layer's parameters for its forward and backward and reduce-scatters its gradients
+inside the node. Nothing FSDP2 sends leaves the node. What crosses nodes is gradsync's, between
+the processes of the same local rank (each holds the same shard of the model on every node):
+
+* ``sync`` / ``compressed``: after backward, each process's gradient *shard* is averaged across
+  nodes by a gradsync reducer (fp32, or the codec) — HSDP, with the inter-node hop counted by the
+  ledger and compressible;
+* ``local_sgd`` / ``diloco``: inner steps stay inside the node; a round reduces each process's
+  *parameter shard* (its part of the pseudo-gradient) across nodes. No process ever holds the full
+  model; DiLoCo's global parameters and outer momentum are sharded the same way.
+
+Which modules become FSDP units: a module that shards itself in ``configure_model`` (Lightning's
+FSDP2 convention, with :attr:`LightningModule.device_mesh` ``["data_parallel"]`` the node's mesh) is
+left as it is; otherwise every submodule of a class the module lists in ``shard_modules`` (e.g. the
+transformer block) becomes a unit, then the root.
+
+FSDP2's own collectives do not pass through gradsync; their bytes are booked in the ledger's
+intra-node scope from its schedule: per micro-batch, each unit's parameters are all-gathered for
+the forward and again for the backward (the root once) and its gradients reduce-scattered.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+import torch
+import torch.distributed as dist
+
+from gradsync.algorithms.layout import local_part as local
+from gradsync.comm.hierarchical import INTER, INTRA
+from gradsync.comm.ledger import fp32_allreduce_bytes
+from gradsync.comm.reducer import Reducer
+from gradsync.errors import GradsyncError, check, spell
+
+SHARD_CHOICES = ("none", "node")
+Shard = Literal["none", "node"]
+#: The name of the node's mesh dimension, as Lightning's ``ModelParallelStrategy`` names its FSDP dimension.
+MESH_DIM = "data_parallel"
+
+
+def is_sharded(module: torch.nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def fsdp_units(module: torch.nn.Module) -> list[tuple[torch.nn.Module, list[torch.nn.Parameter]]]:
+    """Every FSDP2 unit of ``module`` (root last) with the parameters it manages itself."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    owned: set[int] = set()
+    out = []
+    for unit in reversed(units):  # children before parents: a parent manages what no child does
+        params = [p for p in unit.parameters() if id(p) not in owned]
+        owned.update(id(p) for p in params)
+        out.append((unit, params))
+    return out
+
+
+class NodeSharding:
+    """Mixed into :class:`~gradsync.strategies.base.GradsyncStrategy`: the ``shard`` option, the
+    FSDP2 wrapping, the cross-node reduction of gradient shards and the ledger's intra-node bytes."""
+
+    #: ``none``: every process holds a full replica; ``node``: FSDP2 shards over the node's processes.
+    shard: str = "none"
+    _mesh: Any = None
+    _grad_reducer: Optional[Reducer] = None
+    _units: Optional[list] = None
+
+    def _set_shard(self, shard: str) -> None:
+        check(shard in SHARD_CHOICES, "shard", shard,
+              "must be none (a full replica per process) or node (parameters, gradients and optimizer state "
+              "sharded over the processes of a node with FSDP2)", f"e.g. {spell('shard', 'node')}")
+        self.shard = shard
+
+    @property
+    def sharded(self) -> bool:
+        return self.shard == "node"
+
+    def wants_node_groups(self) -> bool:
+        return self.sharded or super().wants_node_groups()
+
+    def check_layout(self, world_size: int, num_nodes: int) -> None:
+        k = self.procs_per_node
+        if self.sharded and k is not None:
+            check(world_size % k == 0, "procs_per_node", k, f"must divide the number of processes ({world_size})",
+                  f"e.g. {spell('procs_per_node', 1)} (every process plays a node)")
+        super().check_layout(world_size, num_nodes)
+
+    # ---- the node's mesh and the wrapping ---------------------------------------------------------
+    def node_mesh(self) -> Any:
+        """The 1-D device mesh of this node's processes (named ``data_parallel``), built once."""
+        if self._mesh is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            topology = self.topology
+            if topology is None or topology.intra is None:
+                raise GradsyncError(f"{spell('shard', 'node')} needs the node's process group; it is built at set-up")
+            self._mesh = DeviceMesh.from_group(topology.intra, self.root_device.type, mesh_dim_names=(MESH_DIM,))
+        return self._mesh
+
+    def shard_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Apply FSDP2 over the node: respect a module that sharded itself, else wrap by ``shard_modules``."""
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        mesh = self.node_mesh()
+        if not is_sharded(module):
+            self._broadcast_initial_state(module)
+            classes = tuple(getattr(module, "shard_modules", ()) or ())
+            if classes:
+                for sub in module.modules():
+                    if sub is not module and isinstance(sub, classes):
+                        fully_shard(sub, mesh=mesh)
+        if not isinstance(module, FSDPModule):
+            fully_shard(module, mesh=mesh)
+        self._units = fsdp_units(module)
+        return module
+
+    @torch.no_grad()
+    def _broadcast_initial_state(self, module: torch.nn.Module) -> None:
+        """Every process starts from rank 0's weights, as DDP's constructor makes them."""
+        world = self.topology.world if self.topology is not None else None
+        tensors = [t for t in [*module.parameters(), *module.buffers()]]
+        if not tensors or dist.get_world_size(world) == 1:
+            return
+        for t in tensors:
+            dist.broadcast(t.data, src=dist.get_global_rank(world, 0) if world is not None else 0, group=world)
+
+    # ---- what crosses nodes after backward ------------------------------------------------------
+    def sharded_gradient_reducer(self) -> Optional[Reducer]:
+        """The reducer that averages this step's gradient shards across nodes (None: nothing crosses)."""
+        return None
+
+    def inter_node_reducer(self) -> Reducer:
+        """An exact fp32 mean of shards across nodes, on this local rank's inter-node group (built once)."""
+        if self._grad_reducer is None:
+            from gradsync.comm.reducer import IdentityReducer
+
+            self._grad_reducer = IdentityReducer(ledger=self.ledger, group=self.topology.inter, scope=INTER)
+        return self._grad_reducer
+
+    def parameter_names(self) -> dict[int, str]:
+        return {id(p): name for name, p in self.lightning_module.named_parameters()}
+
+    @torch.no_grad()
+    def reduce_gradient_shards(self, optimizer: Any, step: int) -> None:
+        """Average every gradient shard of ``optimizer``'s parameters across nodes (blocking)."""
+        reducer = self.sharded_gradient_reducer()
+        self._book_fsdp_bytes(step)
+        if reducer is None:
+            return
+        names = self.parameter_names()
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        grads = [local(p.grad) for p in params]
+        if self.topology.num_nodes > 1:
+            means = reducer.reduce(grads, names=[names.get(id(p), str(i)) for i, p in enumerate(params)],
+                                   sync=("grad", step)).wait()
+            for g, m in zip(grads, means):
+                g.copy_(m)
+        numel = sum(p.numel() for p in params)  # global sizes: what flat fp32 sync of the model would send
+        self.ledger.add_logical(fp32_allreduce_bytes(numel, self.world_size), scope=INTER)
+
+    def _book_fsdp_bytes(self, step: int) -> None:
+        """FSDP2's all-gathers and reduce-scatters of this step inside the node, from its schedule."""
+        k = self.topology.procs_per_node if self.topology is not None else 1
+        if k == 1 or not self._units:
+            return
+        micro_batches = max(1, int(self.accumulation_steps))
+        root = self._units[-1][0]
+        for unit, params in self._units:
+            full = sum(p.numel() * p.element_size() for p in params)
+            if not full:
+                continue
+            gathers = 1 if unit is root else 2  # the root keeps its parameters between forward and backward
+            for _ in range(micro_batches):
+                for _ in range(gathers):
+                    self.ledger.record("all_gather", -(-full // k), group_size=k, scope=INTRA, sync=("fsdp", step))
+                self.ledger.record("reduce_scatter", full, group_size=k, scope=INTRA, sync=("fsdp", step))
+
+    # ---- sharded checkpoints (torch.distributed.checkpoint) --------------------------------------
+    #: True when the nodes' models may differ at a checkpoint (local steps): each node's shards are
+    #: saved under its own key, so no node's local progress is deduplicated away.
+    nodes_may_differ: bool = False
+
+    def _dcp_key(self, per_node: bool, saved_nodes: Optional[int] = None) -> Optional[str]:
+        """The key of this node's shards (None: one copy for every node); a node the checkpoint did
+        not have takes node 0's."""
+        if not per_node:
+            return None
+        node = self.topology.node_rank
+        return f"node{node if saved_nodes is None or node < saved_nodes else 0}"
+
+    def _sharded_state(self, key: Optional[str]) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optimizer = get_state_dict(self.lightning_module, self.optimizers)
+        state = {"model": model, "optimizer": optimizer}
+        return {key: state} if key else state
+
+    def write_sharded_state(self, folder: Any) -> dict:
+        """Every process writes its shards of the model and optimizer state under ``folder`` (DCP);
+        returns the manifest's facts about them."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._sharded_state(self._dcp_key(self.nodes_may_differ)), checkpoint_id=str(folder))
+        return {"shards": folder.name, "per_node": self.nodes_may_differ,
+                "num_nodes": self.topology.num_nodes, "procs_per_node": self.topology.procs_per_node}
+
+    def read_sharded_state(self, folder: Any, manifest: dict) -> None:
+        """Load the model and optimizer shards from ``folder`` into this job's sharding (DCP reshards)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        key = self._dcp_key(bool(manifest.get("per_node")), int(manifest.get("num_nodes", 1)))
+        state = self._sharded_state(key)
+        dcp.load(state, checkpoint_id=str(folder))
+        state = state[key] if key else state
+        set_state_dict(self.lightning_module, self.optimizers, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+
+    # ---- Lightning's checkpoint hooks, when sharded ----------------------------------------------
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        # a sharded checkpoint loads into the sharded module and its optimizer
+        return self.sharded or super().restore_checkpoint_after_setup
+
+    def lightning_module_state_dict(self) -> dict:
+        # the shards are written by every process (write_sharded_state), not gathered into rank 0's file
+        return {} if self.sharded else super().lightning_module_state_dict()
+
+    def optimizer_state(self, optimizer: Any) -> dict:
+        return {} if self.sharded else super().optimizer_state(optimizer)
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        if not self.sharded:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        saved = self._restored_algorithm_state
+        manifest = (checkpoint.get("gradsync") or {}).get("sharded")
+        if saved is None or not manifest:
+            raise GradsyncError(f"--resume: the checkpoint holds a full model, and {spell('shard', 'node')} resumes "
+                                "only its own sharded checkpoints; resume without it")
+        from gradsync.strategies import parts as rank_parts
+
+        self.read_sharded_state(rank_parts.parts_dir(saved.checkpoint) / manifest["shards"], manifest)
+        self._apply_restored_state()  # the algorithm's state, once the module and optimizer hold theirs
+        self._restored_algorithm_state = None
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        if not self.sharded:
+            super().load_optimizer_state_dict(checkpoint)
