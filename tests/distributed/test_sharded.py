@@ -10,10 +10,14 @@ import lightning as L
 import pytest
 import torch
 
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from gradsync.cli.export import export
 from gradsync.recipes import DigitsClassifier, DigitsData
 from gradsync.strategies import DiLoCoStrategy, LocalSGDStrategy, SyncStrategy
 from gradsync.strategies.compressed import CompressedStrategy
-from harness import fit, max_abs_diff
+from gradsync.strategies.parts import parts_dir, read_parts
+from harness import assert_resumed_at, fit, max_abs_diff
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -59,3 +63,54 @@ def test_sharded_compressed_identity_is_sharded_sync(tmp_path):
                 out=tmp_path / "c")
     for a, b in zip(sync, ident):
         assert max_abs_diff(a["params"], b["params"]) <= 1e-6
+
+
+def _resume_pair(tmp_path, make, *, steps, at, before=2, after=2, momentum=0.9):
+    """(uninterrupted run, run resumed from a checkpoint at step ``at``), ``before``/``after`` processes per node."""
+    ckpt_dir = tmp_path / "ckpt"
+    data = lambda k: DigitsData(batch_size=16 // k)  # noqa: E731  # the same global batch of 32 on 2 nodes
+    whole = fit(model(momentum), data(before), strategy=make(before), devices=2 * before,
+                max_steps=steps, out=tmp_path / "whole")
+    fit(model(momentum), data(before), strategy=make(before), devices=2 * before, max_steps=at,
+        out=tmp_path / "first", callbacks=(ModelCheckpoint(dirpath=ckpt_dir, filename="mid", every_n_train_steps=at),))
+    resumed = fit(model(momentum), data(after), strategy=make(after), devices=2 * after, max_steps=steps,
+                  out=tmp_path / "resumed", ckpt_path=str(ckpt_dir / "mid.ckpt"))
+    return whole, resumed, ckpt_dir / "mid.ckpt"
+
+
+def test_sharded_diloco_resumes_exactly_mid_period_with_a_fragment_in_flight(tmp_path):
+    make = lambda k: DiLoCoStrategy(shard="node", procs_per_node=k, period=4, fragments=2, sync_delay=1,  # noqa: E731
+                                    codec="int8")
+    whole, resumed, ckpt = _resume_pair(tmp_path, make, steps=10, at=6)
+    saved = torch.load(ckpt, weights_only=False)
+    assert saved["gradsync"]["sharded"]["per_node"] and saved["state_dict"] == {}
+    assert saved["gradsync"]["sharded"]["shards"] in {p.name for p in parts_dir(ckpt).iterdir()}
+    assert read_parts(ckpt)[0]["pending"] is not None  # fragment 1, issued at step 6, lands at 7
+    assert_resumed_at(resumed, 6, 10)
+    for a, b in zip(whole, resumed):
+        assert max_abs_diff(a["params"], b["params"]) <= 1e-6
+        assert a["algorithm"]["num_steps"] == b["algorithm"]["num_steps"] == 10
+
+
+def test_sharded_sync_resumes_on_another_number_of_processes_per_node(tmp_path):
+    """2 nodes x 2 processes -> 2 x 1: the checkpoint's folder reshards the model and optimizer state
+    (DCP), and the resumed run continues the same trajectory."""
+    make = lambda k: SyncStrategy(shard="node", procs_per_node=k)  # noqa: E731
+    whole, resumed, ckpt = _resume_pair(tmp_path, make, steps=8, at=4, after=1)
+    assert_resumed_at(resumed, 4, 8)
+    assert max_abs_diff(whole[0]["params"], resumed[0]["params"]) <= 1e-5
+    # export: one plain state_dict, loadable into the unsharded module, equal to the saved step's weights
+    out, state = export(str(ckpt), str(tmp_path / "model.pt"))
+    plain = model()
+    plain.load_state_dict(torch.load(out, weights_only=True))
+    first = torch.load(tmp_path / "first" / "rank0.pt", weights_only=False)["params"]
+    assert max_abs_diff(state, first) == 0.0
+
+
+def test_a_sharded_checkpoint_is_refused_without_shard_in_one_line(tmp_path):
+    ckpt_dir = tmp_path / "ckpt"
+    fit(model(), DigitsData(batch_size=8), strategy=SyncStrategy(shard="node", procs_per_node=2), devices=4,
+        max_steps=2, out=tmp_path / "a", callbacks=(ModelCheckpoint(dirpath=ckpt_dir, filename="mid", every_n_train_steps=2),))
+    with pytest.raises(Exception, match="written with --strategy.shard node"):
+        fit(model(), DigitsData(batch_size=8), strategy=SyncStrategy(), devices=2, max_steps=4, out=tmp_path / "b",
+            ckpt_path=str(ckpt_dir / "mid.ckpt"))

@@ -8,7 +8,8 @@ gradsync objects), loadable with ``torch.load(path, weights_only=True)`` into th
 ``model.load_state_dict(torch.load("model.pt", weights_only=True))``. It is written atomically. The
 weights are those of the checkpoint: rank 0's, which every rank shares after a synchronization
 (at the end of a fit, every strategy's last round or step leaves all ranks equal; a checkpoint taken
-mid-period under ``local_sgd``/``diloco`` holds rank 0's local replica).
+mid-period under ``local_sgd``/``diloco`` holds rank 0's local replica). A sharded run's checkpoint
+(``--strategy.shard node``) is consolidated here, in one process, from the shards its processes wrote.
 """
 
 from __future__ import annotations
@@ -55,10 +56,37 @@ def export(given: str, output: str | None = None) -> tuple[Path, dict]:
     ckpt = load_checkpoint_file(ckpt_path)
     if "state_dict" not in ckpt:
         raise GradsyncError(f"export {ckpt_path}: not a Lightning checkpoint (it holds no state_dict)")
-    state = {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in ckpt["state_dict"].items()}
+    sharded = (ckpt.get("gradsync") or {}).get("sharded")
+    if sharded:
+        state = consolidate(ckpt_path, sharded)
+    else:
+        state = {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
+                 for k, v in ckpt["state_dict"].items()}
     out = Path(output) if output else run / "model.pt"
     atomic_torch_save(state, out)  # (creates the directory)
     return out, state
+
+
+def consolidate(ckpt_path: Path, sharded: dict) -> dict:
+    """The whole model of a sharded checkpoint (``--strategy.shard node``), read in this one process
+    from the shards every process wrote (torch.distributed.checkpoint; no process group needed).
+    Saved per node (local steps mid-period), node 0's model is taken."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from gradsync.strategies.parts import parts_dir
+
+    folder = parts_dir(ckpt_path) / sharded["shards"]
+    if not folder.is_dir():
+        raise GradsyncError(f"export {ckpt_path}: its shards {folder} are missing (copy the whole checkpoints directory)")
+    prefix = ("node0." if sharded.get("per_node") else "") + "model."
+    metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    state = {key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
+             for key, meta in metadata.state_dict_metadata.items()
+             if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
+    nested = {"model": state}
+    dcp.load(nested if not sharded.get("per_node") else {"node0": nested}, checkpoint_id=str(folder), no_dist=True)
+    return state
 
 
 def cmd_export(argv: list[str]) -> int:
