@@ -10,14 +10,17 @@ import lightning as L
 import pytest
 import torch
 
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from gradsync.cli.export import export
+from gradsync.platform.memory import optimizer_state_bytes, tensor_bytes
 from gradsync.recipes import DigitsClassifier, DigitsData
 from gradsync.strategies import DiLoCoStrategy, LocalSGDStrategy, SyncStrategy
 from gradsync.strategies.compressed import CompressedStrategy
 from gradsync.strategies.parts import parts_dir, read_parts
-from harness import assert_resumed_at, fit, max_abs_diff
+from test_demo_modules import OfflineTransformer, Tokens
+from test_node_scope import Warnings
+from harness import assert_resumed_at, digest, fit, max_abs_diff
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -114,3 +117,117 @@ def test_a_sharded_checkpoint_is_refused_without_shard_in_one_line(tmp_path):
     with pytest.raises(Exception, match="written with --strategy.shard node"):
         fit(model(), DigitsData(batch_size=8), strategy=SyncStrategy(), devices=2, max_steps=4, out=tmp_path / "b",
             ckpt_path=str(ckpt_dir / "mid.ckpt"))
+
+
+class RoundProbe(Callback):
+    """Per rank: a digest of this process's shards after every landed round, the largest tensor a round
+    sent, and the parameter + optimizer-state bytes this process holds at the end."""
+
+    def __init__(self, out):
+        self.out, self.landed, self.largest_sent = Path(out), [], 0
+
+    def on_train_start(self, trainer, pl_module):
+        trainer.strategy.algorithm.listeners.append(self.listen)
+
+    def listen(self, event, facts):
+        if event == "landed":
+            self.landed.append((facts["step"], facts["fragment"], digest(facts["values"])))
+        if event == "issue":
+            self.largest_sent = max([self.largest_sent, *(t.numel() for t in facts["payload"])])
+
+    def on_train_end(self, trainer, pl_module):
+        held = tensor_bytes(pl_module.parameters()) + optimizer_state_bytes(trainer.optimizers)
+        torch.save({"landed": self.landed, "largest_sent": self.largest_sent, "held": held,
+                    "largest_param": max(p.numel() for p in pl_module.parameters())},
+                   self.out / f"probe{trainer.global_rank}.pt")
+
+
+def test_sharded_diloco_nodes_agree_after_every_round_and_no_process_holds_the_model(tmp_path):
+    def run(name, **kwargs):
+        out = tmp_path / name
+        out.mkdir()
+        ranks = fit(model(optimizer="adamw"), DigitsData(batch_size=8), devices=4, max_steps=9, out=out,
+                    callbacks=(RoundProbe(out),),
+                    strategy=DiLoCoStrategy(period=4, codec="int8", procs_per_node=2, **kwargs))
+        return ranks, [torch.load(out / f"probe{r}.pt", weights_only=False) for r in range(4)]
+
+    _, replicated = run("replicated", scope="node")
+    ranks, sharded = run("sharded", shard="node")
+    # after every round (steps 4, 8 and the final one) the two nodes hold the same shards: rank r of node 0
+    # and rank r of node 1 hold the same part of the model, and the parts differ inside a node
+    for local in (0, 1):
+        rounds = sharded[local]["landed"]
+        assert [s for s, _, _ in rounds] == [4, 8, 9]
+        assert rounds == sharded[local + 2]["landed"]
+    assert sharded[0]["landed"][0][2] != sharded[1]["landed"][0][2]
+    # no round sent (so none allocated) a tensor as large as the model's largest parameter whole
+    full = {n: p for n, p in model().named_parameters()}
+    assert all(p["largest_sent"] <= -(-max(t.numel() for t in full.values()) // 2) for p in sharded)
+    assert replicated[0]["largest_sent"] == max(t.numel() for t in full.values())
+    # parameters + AdamW state per process: at most 1/K + 5% of the replicated run's (K = 2)
+    for s, r in zip(sharded, replicated):
+        assert s["held"] <= (0.5 + 0.05) * r["held"], (s["held"], r["held"])
+    # inter-node bytes, by hand: local rank j holds rows [j c, (j+1) c) of every parameter, c = ceil(rows / 2)
+    # (FSDP2's dim-0 chunks), n_j values in all; a round sends them through int8 between 2 nodes:
+    # all-to-all + all-gather of a half (ceil(n_j / 2) bytes and a 4-byte scale per chunk of 512) each
+    for j in (0, 1):
+        n = 0
+        for t in full.values():
+            c = -(-t.shape[0] // 2)
+            n += max(0, min(c, t.shape[0] - j * c)) * (t.numel() // t.shape[0])
+        half = -(-n // 2)
+        per_round = 2 * (half + 4 * -(-half // 512))
+        for r in (j, j + 2):
+            assert ranks[r]["ledger"]["by_scope"]["inter_node"]["wire_bytes"] == 3 * per_round
+
+
+class SelfShardingTransformer(OfflineTransformer):
+    """Lightning's demo transformer, sharded in its own ``configure_model`` as Lightning's FSDP2 guide
+    writes it: each encoder and decoder layer a unit, over ``self.device_mesh["data_parallel"]``."""
+
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in [*self.model.transformer.encoder.layers, *self.model.transformer.decoder.layers]:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+
+def test_lightning_transformer_sharding_itself_trains_under_sharded_diloco_from_a_plain_trainer(tmp_path):
+    torch.manual_seed(0)
+    module = SelfShardingTransformer(vocab_size=64)
+    start = {k: v.clone() for k, v in module.state_dict().items()}
+    ranks = fit(module, Tokens(), strategy=DiLoCoStrategy(shard="node", procs_per_node=2, period=3), devices=4,
+                max_steps=4, out=tmp_path, use_distributed_sampler=True, callbacks=(Units(tmp_path),))
+    assert [r["global_step"] for r in ranks] == [4] * 4
+    assert max_abs_diff(ranks[0]["params"], start) > 0
+    for r in ranks[1:]:  # the final round leaves every process of both nodes with the same model
+        assert max_abs_diff(ranks[0]["params"], r["params"]) == 0.0
+    # its own units (2 encoder + 2 decoder layers, the transformer) and the root gradsync adds
+    assert torch.load(tmp_path / "units0.pt") == 6
+
+
+class Units(Callback):
+    def __init__(self, out):
+        self.out = out
+
+    def on_train_start(self, trainer, pl_module):
+        from torch.distributed.fsdp import FSDPModule
+
+        torch.save(sum(isinstance(m, FSDPModule) for m in pl_module.modules()), self.out / f"units{trainer.global_rank}.pt")
+
+
+def test_sharded_diloco_resumes_on_another_number_of_processes_per_node_with_one_warning(tmp_path):
+    ckpt_dir = tmp_path / "ckpt"
+    make = lambda k: DiLoCoStrategy(shard="node", procs_per_node=k, period=4)  # noqa: E731
+    fit(model(0.9), DigitsData(batch_size=8), strategy=make(2), devices=4, max_steps=6, out=tmp_path / "first",
+        callbacks=(ModelCheckpoint(dirpath=ckpt_dir, filename="mid", every_n_train_steps=6),))
+    ranks = fit(model(0.9), DigitsData(batch_size=16), strategy=make(1), devices=2, max_steps=8,
+                out=tmp_path / "resumed", ckpt_path=str(ckpt_dir / "mid.ckpt"), callbacks=(Warnings(tmp_path),))
+    text = (tmp_path / "warnings.txt").read_text()
+    assert "2 node(s) x 2" in text and "2 node(s) x 1" in text and "global parameters (from the loaded model)" in text, text
+    assert_resumed_at(ranks, 6, 8)
+    for r in ranks:
+        assert r["algorithm"]["num_steps"] == 8  # the round fell at 8, as scheduled before the resume
+    assert max_abs_diff(ranks[0]["params"], ranks[1]["params"]) == 0.0

@@ -76,7 +76,9 @@ class OuterStep:
 
     def begin(self, layout: Layout, *, mid_run: bool = False, share: Optional[Callable] = None) -> None:
         if self.global_params is None:
-            self.set_global(layout.params)
+            # mid-run without saved global parameters (a resume that reset them), the ranks' parameters
+            # differ: their mean is the common point every rank starts the outer steps from
+            self.set_global(share(layout.params) if mid_run and share is not None else layout.params)
 
     def payload(self, indices: list[int], values: list[torch.Tensor]) -> list[torch.Tensor]:
         assert self.global_params is not None

@@ -110,7 +110,6 @@ class NodeSharding:
 
         mesh = self.node_mesh()
         if not is_sharded(module):
-            self._broadcast_initial_state(module)
             classes = tuple(getattr(module, "shard_modules", ()) or ())
             if classes:
                 for sub in module.modules():
@@ -119,17 +118,21 @@ class NodeSharding:
         if not isinstance(module, FSDPModule):
             fully_shard(module, mesh=mesh)
         self._units = fsdp_units(module)
+        self._broadcast_initial_state(module)
         return module
 
     @torch.no_grad()
     def _broadcast_initial_state(self, module: torch.nn.Module) -> None:
-        """Every process starts from rank 0's weights, as DDP's constructor makes them."""
-        world = self.topology.world if self.topology is not None else None
-        tensors = [t for t in [*module.parameters(), *module.buffers()]]
-        if not tensors or dist.get_world_size(world) == 1:
-            return
-        for t in tensors:
-            dist.broadcast(t.data, src=dist.get_global_rank(world, 0) if world is not None else 0, group=world)
+        """Every node starts from node 0's weights, as DDP's constructor makes every replica start from
+        rank 0's: each process's shard from its peer on node 0, buffers from rank 0."""
+        topology = self.topology
+        if topology.num_nodes > 1:
+            src = dist.get_global_rank(topology.inter, 0)
+            for p in module.parameters():
+                dist.broadcast(local(p).data, src=src, group=topology.inter)
+        if topology.world_size > 1:
+            for b in module.buffers():
+                dist.broadcast(b.data, src=dist.get_global_rank(topology.world, 0), group=topology.world)
 
     # ---- what crosses nodes after backward ------------------------------------------------------
     def sharded_gradient_reducer(self) -> Optional[Reducer]:
