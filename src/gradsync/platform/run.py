@@ -494,12 +494,20 @@ def ranks_agree(tensors: list) -> bool:
     params = [t.detach() for t in tensors]
     if not params or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return True  # (every rank holds the same module, so every rank returns here alike)
+    # a sharded (DTensor) module: each process holds its shard, which must agree with the same shard
+    # on the other nodes (the processes of the same coordinate in the node's mesh)
+    mesh = getattr(params[0], "device_mesh", None)
+    shard = float(mesh.get_local_rank()) if mesh is not None else 0.0
+    params = [p.to_local() if hasattr(p, "to_local") else p for p in params]
     flat = torch.cat([p.reshape(-1).double() for p in params])
     idx = torch.arange(flat.numel(), dtype=torch.float64, device=flat.device)
-    fp = torch.stack([flat.sum(), (flat * flat).sum(), (flat * (idx % 97 + 1)).sum()])
+    fp = torch.stack([flat.new_tensor(shard), flat.sum(), (flat * flat).sum(), (flat * (idx % 97 + 1)).sum()])
     parts = [torch.zeros_like(fp) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, fp)
-    return all(torch.equal(parts[0], p) for p in parts[1:])
+    first: dict = {}
+    for p in parts:
+        first.setdefault(float(p[0]), p)
+    return all(torch.equal(first[float(p[0])], p) for p in parts)
 
 
 def _num(v: Any) -> Optional[float]:

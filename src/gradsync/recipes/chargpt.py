@@ -31,7 +31,7 @@ from torchmetrics.text import Perplexity
 
 from gradsync.errors import GradsyncError, check
 from gradsync.recipes.base import Recipe, RecipeData, Scheduler
-from gradsync.recipes.transformer import Transformer, TransformerConfig, count_parameters
+from gradsync.recipes.transformer import Block, Transformer, TransformerConfig, count_parameters
 
 
 # ---- corpus -----------------------------------------------------------------------------------
@@ -167,6 +167,8 @@ class CharGPT(Recipe):
     """A GPT-style transformer over characters (default corpus: the Python standard library)."""
 
     metric_name = "val_ppl"
+    #: FSDP2 units under ``--strategy.shard node``: each transformer block (embeddings and head: the root)
+    shard_modules = (Block,)
 
     def __init__(self, *, n_layer: int = 4, n_head: int = 4, n_embd: int = 128, block_size: int = 128,
                  dropout: float = 0.0, optimizer: Literal["sgd", "adamw", "muon"] = "adamw", lr: float = 2e-3,

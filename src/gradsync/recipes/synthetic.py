@@ -70,6 +70,8 @@ class SyntheticModel(ClassifierRecipe):
     """An MLP of a chosen parameter count on generated data, for communication benchmarks."""
 
     num_classes = NUM_CLASSES
+    #: FSDP2 units under ``--strategy.shard node``: each linear layer
+    shard_modules = (nn.Linear,)
 
     def __init__(self, *, num_params: int = 25_000_000, num_layers: int = 4, **kwargs: Any) -> None:
         """

@@ -45,7 +45,7 @@ from gradsync.algorithms.gradients import all_finite, normalize_weighted
 from gradsync.strategies.checkpointing import RankCheckpointing
 from gradsync.strategies.collectives import CountedCollectives
 from gradsync.strategies.scope import NodeScope
-from gradsync.strategies.sharding import NodeSharding
+from gradsync.strategies.sharding import NodeSharding, is_sharded
 from gradsync.strategies.sync_batchnorm import layer_sync_for
 
 Backend = Literal["auto", "nccl", "gloo"]
@@ -204,6 +204,14 @@ class GradsyncStrategy(RankCheckpointing, NodeSharding, NodeScope, CountedCollec
         self.check_world_size(self.world_size)
         # sync_batchnorm=True: torch's SyncBatchNorm runs on CUDA only; elsewhere use one that all-reduces
         set_layer_sync(self, layer_sync_for(layer_sync(self), self.root_device.type))
+        if self.sharded and trainer.state.fn != "fit":
+            # validate / test / predict: DDP's set-up would broadcast rank 0's weights, which are shards
+            # here; the module keeps (or gets) its sharding and needs no optimizer
+            self.accelerator.setup(trainer)
+            if not is_sharded(self.model):
+                self.model = self.shard_module(self.model)
+            self.setup_precision_plugin()
+            return
         super().setup(trainer)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
