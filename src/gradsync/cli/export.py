@@ -74,7 +74,7 @@ def consolidate(ckpt_path: Path, sharded: dict) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from gradsync.strategies.parts import parts_dir
+    from gradsync.platform.checkpoint import parts_dir
 
     folder = parts_dir(ckpt_path) / sharded["shards"]
     if not folder.is_dir():

@@ -82,10 +82,27 @@ class MemoryProbe(Callback):
         out = dict(self.figures)
         out["total_bytes"] = sum(out[k] for k in KINDS)
         out["max_total_bytes_any_process"] = out["total_bytes"]
+        # the process's peak resident memory (activations, transient all-gathered layers, the allocator,
+        # libraries): what the machine must hold, next to the tensor figures sharding divides
+        out["max_peak_rss_bytes_any_process"] = peak_rss_bytes()
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             backend_device = torch.device("cuda", torch.cuda.current_device()) \
                 if dist.get_backend() == "nccl" else torch.device("cpu")
-            total = torch.tensor([out["total_bytes"]], dtype=torch.float64, device=backend_device)
-            dist.all_reduce(total, op=dist.ReduceOp.MAX)
-            out["max_total_bytes_any_process"] = int(total.item())
+            peaks = torch.tensor([out["total_bytes"], out["max_peak_rss_bytes_any_process"]], dtype=torch.float64,
+                                 device=backend_device)
+            dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+            out["max_total_bytes_any_process"] = int(peaks[0].item())
+            out["max_peak_rss_bytes_any_process"] = int(peaks[1].item())
         return out
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (Linux reports KiB, macOS bytes; 0 where unknown)."""
+    try:
+        import resource
+        import sys
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(peak if sys.platform == "darwin" else peak * 1024)
+    except (ImportError, OSError):
+        return 0
