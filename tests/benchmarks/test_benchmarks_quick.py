@@ -147,3 +147,17 @@ def test_convergence(tmp_path):
     assert rows[("digits", "sync")]["vs sync"] == "+0.0 points" and rows[("chargpt", "sync")]["vs sync"] == "+0.00 %"
     assert rows[("digits", "int8")]["compression ratio"] > 3.9
     assert rows[("chargpt", "sync")]["compression ratio"] == pytest.approx(1.0, abs=1e-3)  # control traffic only
+
+
+def test_sharded(tmp_path):
+    from benchmarks import sharded
+
+    sharded.run(tmp_path, quick=True)
+    data = _check(tmp_path, "sharded")
+    rows = {r[0]: dict(zip(data["columns"], r)) for r in data["rows"]}
+    assert list(rows) == ["sync (replicated)", "sync shard node", "diloco shard node H=32 int8"]
+    # weights, gradients and AdamW state split over a node's 2 processes (small FSDP2 padding)
+    assert rows["sync shard node"]["vs replicated"] <= 0.55
+    # the sharded runs' inter-node traffic is a shard per process; diloco's only at its rounds
+    assert rows["sync shard node"]["inter-node MB / process"] < rows["sync (replicated)"]["inter-node MB / process"]
+    assert rows["diloco shard node H=32 int8"]["inter-node MB / process"] < rows["sync shard node"]["inter-node MB / process"]

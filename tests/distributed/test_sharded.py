@@ -13,6 +13,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from gradsync.cli.export import export
+from gradsync.errors import OptionError
 from gradsync.platform.memory import optimizer_state_bytes, tensor_bytes
 from gradsync.recipes import DigitsClassifier, DigitsData
 from gradsync.strategies import DiLoCoStrategy, LocalSGDStrategy, SyncStrategy
@@ -231,3 +232,35 @@ def test_sharded_diloco_resumes_on_another_number_of_processes_per_node_with_one
     for r in ranks:
         assert r["algorithm"]["num_steps"] == 8  # the round fell at 8, as scheduled before the resume
     assert max_abs_diff(ranks[0]["params"], ranks[1]["params"]) == 0.0
+
+
+def test_sharded_mixed_precision_gathers_in_bf16_and_keeps_fp32_shards(tmp_path):
+    fp32 = fit(model(0.9), DigitsData(batch_size=8), strategy=SyncStrategy(shard="node", procs_per_node=2),
+               devices=4, max_steps=4, out=tmp_path / "a")
+    bf16 = fit(model(0.9), DigitsData(batch_size=8),
+               strategy=SyncStrategy(shard="node", procs_per_node=2, param_dtype="bf16"), devices=4, max_steps=4,
+               out=tmp_path / "b")
+    assert all(v.dtype == torch.float32 for v in bf16[0]["params"].values())  # the shards (and AdamW) stay fp32
+    assert 0 < max_abs_diff(fp32[0]["params"], bf16[0]["params"]) < 0.05  # computed in bf16: close, not equal
+    # inside the node, per step: an all-gather of the other half of the weights (one unit: the root) and a
+    # reduce-scatter sending half the gradients, 2 + 2 bytes a parameter in fp32; the gather in bf16: 1 + 2
+    intra = [r["ledger"]["by_scope"]["intra_node"]["wire_bytes"] for r in (fp32[0], bf16[0])]
+    assert intra[1] / intra[0] == pytest.approx(0.75, rel=1e-3)
+
+
+def test_mixed_precision_without_shard_is_one_line():
+    with pytest.raises(OptionError, match="param_dtype.*sets FSDP2's mixed precision and applies only to shard node"):
+        DiLoCoStrategy(param_dtype="bf16")
+
+
+def test_sharded_sync_is_bit_identical_to_the_hierarchical_all_reduce_of_replicas(tmp_path):
+    """Sharded sync averages inside the node (FSDP2's reduce-scatter), then across nodes: exactly the
+    sums node-scoped compressed with the identity codec does on replicas, so the weights are bit-identical
+    (flat sync sums in another order: within rounding, which AdamW can amplify over many steps)."""
+    node = fit(model(optimizer="adamw"), DigitsData(batch_size=8),
+               strategy=CompressedStrategy(codec="identity", scope="node", procs_per_node=2), devices=4, max_steps=6,
+               out=tmp_path / "n")
+    sharded = fit(model(optimizer="adamw"), DigitsData(batch_size=8),
+                  strategy=SyncStrategy(shard="node", procs_per_node=2), devices=4, max_steps=6, out=tmp_path / "h")
+    for a, b in zip(node, sharded):
+        assert max_abs_diff(a["params"], b["params"]) == 0.0

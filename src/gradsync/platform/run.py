@@ -499,9 +499,17 @@ def ranks_agree(tensors: list) -> bool:
     mesh = getattr(params[0], "device_mesh", None)
     shard = float(mesh.get_local_rank()) if mesh is not None else 0.0
     params = [p.to_local() if hasattr(p, "to_local") else p for p in params]
-    flat = torch.cat([p.reshape(-1).double() for p in params])
-    idx = torch.arange(flat.numel(), dtype=torch.float64, device=flat.device)
-    fp = torch.stack([flat.new_tensor(shard), flat.sum(), (flat * flat).sum(), (flat * (idx % 97 + 1)).sum()])
+    fp = torch.zeros(4, dtype=torch.float64, device=params[0].device)
+    fp[0] = shard
+    # chunk by chunk, so that the fingerprint of a large model costs megabytes, not a float64 copy of it
+    chunk, pos = 1 << 20, 0
+    for p in params:
+        flat = p.reshape(-1)
+        for start in range(0, flat.numel(), chunk):
+            x = flat[start:start + chunk].double()
+            weight = torch.arange(pos + start, pos + start + x.numel(), dtype=torch.float64, device=x.device) % 97 + 1
+            fp[1:] += torch.stack([x.sum(), (x * x).sum(), (x * weight).sum()])
+        pos += flat.numel()
     parts = [torch.zeros_like(fp) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, fp)
     first: dict = {}

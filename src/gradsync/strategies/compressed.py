@@ -36,7 +36,7 @@ from gradsync.comm.reducer import IdentityReducer, Reducer
 from gradsync.errors import check, spell
 from gradsync.strategies.base import GradsyncStrategy
 from gradsync.strategies.local_clip import LocalClipState, local_clip_hook
-from gradsync.strategies.sharding import Shard
+from gradsync.strategies.sharding import Shard, ShardDtype
 
 
 #: Codecs whose error feedback ``compressed`` turns on by default. The others send an unbiased or
@@ -84,6 +84,8 @@ class CompressedStrategy(GradsyncStrategy):
         scope: Literal["world", "node"] = "world",
         procs_per_node: Optional[int] = None,
         shard: Shard = "none",
+        param_dtype: ShardDtype = "fp32",
+        reduce_dtype: ShardDtype = "fp32",
         **kwargs: Any,
     ) -> None:
         """
@@ -119,6 +121,9 @@ class CompressedStrategy(GradsyncStrategy):
             shard: ``none``: a full replica per process (DDP); ``node``: parameters, gradients and optimizer
                 state sharded over the node's processes (FSDP2), and each process's gradient shard
                 crosses nodes through the codec (compressed HSDP).
+            param_dtype: with ``shard node``: the dtype FSDP2 gathers and computes each unit in (``fp32``,
+                ``bf16``, ``fp16``); the sharded parameters and the optimizer stay fp32.
+            reduce_dtype: with ``shard node``: the dtype of FSDP2's intra-node gradient reduce-scatter.
             **kwargs: options of :class:`~gradsync.strategies.base.GradsyncStrategy` (backend,
                 timeout_seconds, bucket_cap_mb, ...).
         """
@@ -142,7 +147,7 @@ class CompressedStrategy(GradsyncStrategy):
               f"set {spell('warmup_steps', POWERSGD_MIN_WARMUP)} or more, or {spell('error_feedback', False)} "
               f"{spell('warm_start', False)}")
         super().__init__(**kwargs)
-        self._set_shard(shard)
+        self._set_shard(shard, param_dtype, reduce_dtype)
         check(not (self.sharded and scope == "node"), "scope", scope,
               "is implied by shard node (FSDP2 reduces inside the node, the codec runs across nodes)",
               f"drop {spell('scope')}")

@@ -31,7 +31,7 @@ from gradsync.comm.reducer import Reducer
 from gradsync.errors import GradsyncError, check, spell
 from gradsync.strategies.base import GradsyncStrategy
 from gradsync.strategies.lightning_private import ddp_kwargs
-from gradsync.strategies.sharding import Shard
+from gradsync.strategies.sharding import Shard, ShardDtype
 
 Scope = Literal["world", "node"]
 
@@ -100,6 +100,8 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
         scope: Scope = "world",
         procs_per_node: Optional[int] = None,
         shard: Shard = "none",
+        param_dtype: ShardDtype = "fp32",
+        reduce_dtype: ShardDtype = "fp32",
         **kwargs: Any,
     ) -> None:
         """
@@ -132,6 +134,9 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
             shard: ``none``: every process holds a full replica; ``node``: each node is one replica whose
                 parameters, gradients and optimizer state are sharded over its processes (FSDP2), and a
                 round reduces each process's parameter shard across nodes (implies ``scope node``).
+            param_dtype: with ``shard node``: the dtype FSDP2 gathers and computes each unit in (``fp32``,
+                ``bf16``, ``fp16``); the sharded parameters and the optimizer stay fp32.
+            reduce_dtype: with ``shard node``: the dtype of FSDP2's intra-node gradient reduce-scatter.
             **kwargs: DDP and process-group options of :class:`~gradsync.strategies.base.GradsyncStrategy`.
         """
         if error_decay is None:
@@ -148,7 +153,7 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
         for option, value in self.codec_spec.options.items():
             setattr(self, option, value)
         super().__init__(**kwargs)
-        self._set_shard(shard)
+        self._set_shard(shard, param_dtype, reduce_dtype)
         # a sharded node holds one replica: rounds run across nodes
         self._set_scope("node" if self.sharded else scope, procs_per_node)
         # Buffers are averaged at rounds (average_buffers) or stay local; DDP's per-forward

@@ -25,6 +25,7 @@ the forward and again for the backward (the root once) and its gradients reduce-
 
 from __future__ import annotations
 
+import gc
 from typing import Any, Literal, Optional
 
 import torch
@@ -38,6 +39,9 @@ from gradsync.errors import GradsyncError, check, spell
 
 SHARD_CHOICES = ("none", "node")
 Shard = Literal["none", "node"]
+#: FSDP2's mixed precision, as ``MixedPrecisionPolicy`` (and Lightning's FSDP ``MixedPrecision``) name its fields
+ShardDtype = Literal["fp32", "bf16", "fp16"]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: The name of the node's mesh dimension, as Lightning's ``ModelParallelStrategy`` names its FSDP dimension.
 MESH_DIM = "data_parallel"
 
@@ -72,11 +76,18 @@ class NodeSharding:
     _grad_reducer: Optional[Reducer] = None
     _units: Optional[list] = None
 
-    def _set_shard(self, shard: str) -> None:
+    param_dtype: str = "fp32"
+    reduce_dtype: str = "fp32"
+
+    def _set_shard(self, shard: str, param_dtype: str = "fp32", reduce_dtype: str = "fp32") -> None:
         check(shard in SHARD_CHOICES, "shard", shard,
               "must be none (a full replica per process) or node (parameters, gradients and optimizer state "
               "sharded over the processes of a node with FSDP2)", f"e.g. {spell('shard', 'node')}")
-        self.shard = shard
+        for option, value in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+            check(value in DTYPES, option, value, "must be fp32, bf16 or fp16")
+            check(value == "fp32" or shard == "node", option, value,
+                  "sets FSDP2's mixed precision and applies only to shard node", f"add {spell('shard', 'node')}")
+        self.shard, self.param_dtype, self.reduce_dtype = shard, param_dtype, reduce_dtype
 
     @property
     def sharded(self) -> bool:
@@ -109,14 +120,22 @@ class NodeSharding:
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
         mesh = self.node_mesh()
+        kwargs: dict = {"mesh": mesh}
+        if self.param_dtype != "fp32" or self.reduce_dtype != "fp32":
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            # the sharded parameters (and the optimizer) stay fp32; units are gathered and computed in
+            # param_dtype, gradients reduce-scattered in reduce_dtype
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=DTYPES[self.param_dtype],
+                                                       reduce_dtype=DTYPES[self.reduce_dtype])
         if not is_sharded(module):
             classes = tuple(getattr(module, "shard_modules", ()) or ())
             if classes:
                 for sub in module.modules():
                     if sub is not module and isinstance(sub, classes):
-                        fully_shard(sub, mesh=mesh)
+                        fully_shard(sub, **kwargs)
         if not isinstance(module, FSDPModule):
-            fully_shard(module, mesh=mesh)
+            fully_shard(module, **kwargs)
         self._units = fsdp_units(module)
         self._broadcast_initial_state(module)
         return module
@@ -165,6 +184,12 @@ class NodeSharding:
                                    sync=("grad", step)).wait()
             for g, m in zip(grads, means):
                 g.copy_(m)
+            # A reduction's Future chain (collective Futures, their callbacks, the reducer's generator) forms
+            # reference cycles that keep its buffers — here a copy of every gradient shard — until Python's
+            # cyclic collector runs: the resident memory of a 60M-parameter model grew by 120 MB a step
+            # for 6 steps at a time. They are all in the youngest generation: collecting it is cheap.
+            del means
+            gc.collect(0)
         numel = sum(p.numel() for p in params)  # global sizes: what flat fp32 sync of the model would send
         self.ledger.add_logical(fp32_allreduce_bytes(numel, self.world_size), scope=INTER)
 
@@ -175,15 +200,18 @@ class NodeSharding:
             return
         micro_batches = max(1, int(self.accumulation_steps))
         root = self._units[-1][0]
+        gathered = DTYPES[self.param_dtype].itemsize
+        reduced = DTYPES[self.reduce_dtype].itemsize
         for unit, params in self._units:
-            full = sum(p.numel() * p.element_size() for p in params)
-            if not full:
+            numel = sum(p.numel() for p in params)
+            if not numel:
                 continue
             gathers = 1 if unit is root else 2  # the root keeps its parameters between forward and backward
             for _ in range(micro_batches):
                 for _ in range(gathers):
-                    self.ledger.record("all_gather", -(-full // k), group_size=k, scope=INTRA, sync=("fsdp", step))
-                self.ledger.record("reduce_scatter", full, group_size=k, scope=INTRA, sync=("fsdp", step))
+                    self.ledger.record("all_gather", -(-numel // k) * gathered, group_size=k, scope=INTRA,
+                                       sync=("fsdp", step))
+                self.ledger.record("reduce_scatter", numel * reduced, group_size=k, scope=INTRA, sync=("fsdp", step))
 
     # ---- sharded checkpoints (torch.distributed.checkpoint) --------------------------------------
     #: True when the nodes' models may differ at a checkpoint (local steps): each node's shards are

@@ -10,7 +10,7 @@ from gradsync.comm.ddp import AllReduceState, allreduce_hook, allreduce_sum_hook
 from gradsync.comm.reducer import Reducer
 from gradsync.errors import check
 from gradsync.strategies.base import GradsyncStrategy
-from gradsync.strategies.sharding import Shard
+from gradsync.strategies.sharding import Shard, ShardDtype
 
 __all__ = ["AllReduceState", "SyncStrategy", "allreduce_hook", "allreduce_sum_hook"]
 
@@ -27,7 +27,7 @@ class SyncStrategy(GradsyncStrategy):
     strategy_name = "sync"
 
     def __init__(self, *, time_comm: bool = False, shard: Shard = "none", procs_per_node: Optional[int] = None,
-                 **kwargs: Any) -> None:
+                 param_dtype: ShardDtype = "fp32", reduce_dtype: ShardDtype = "fp32", **kwargs: Any) -> None:
         """
         Args:
             time_comm: time every bucket's all-reduce (issue to completion) through a Python hook, so the
@@ -38,12 +38,15 @@ class SyncStrategy(GradsyncStrategy):
                 are averaged across nodes in fp32 by gradsync (HSDP, counted by the ledger).
             procs_per_node: with ``shard node``, force the layout (K processes play one node), for tests
                 on one machine; default: what torchrun / SLURM say.
+            param_dtype: with ``shard node``: the dtype FSDP2 gathers and computes each unit in (``fp32``,
+                ``bf16``, ``fp16``); the sharded parameters and the optimizer stay fp32.
+            reduce_dtype: with ``shard node``: the dtype of FSDP2's intra-node gradient reduce-scatter.
             **kwargs: :class:`~gradsync.strategies.base.GradsyncStrategy`'s options.
         """
         check(isinstance(time_comm, bool), "time_comm", time_comm, "must be true or false")
         self.time_comm = time_comm
         super().__init__(**kwargs)
-        self._set_shard(shard)
+        self._set_shard(shard, param_dtype, reduce_dtype)
         self._set_scope("world", procs_per_node)
 
     def sharded_gradient_reducer(self) -> Reducer:
