@@ -49,8 +49,26 @@ def completed(value: Any, device: Optional[torch.device] = None) -> torch.future
 
 def drive(reduction: Reduction, result: torch.futures.Future) -> torch.futures.Future:
     """Run ``reduction`` to its end without blocking; its return value (or error) completes ``result``."""
+    _Driver(reduction, result).step(None)
+    return result
 
-    def step(value: Any, error: Optional[BaseException] = None) -> None:
+
+class _Driver:
+    """Resumes a reduction from its collectives' callbacks. An object rather than two closures that
+    call each other: such closures form a reference cycle with the finished reduction's result (the
+    means: as large as what was reduced), which only Python's cyclic collector would free — the
+    resident memory of a 60M-parameter sharded run grew by 120 MB a step between its passes. The
+    driver lets go of the generator and the result when the reduction ends."""
+
+    __slots__ = ("reduction", "result", "__weakref__")
+
+    def __init__(self, reduction: Reduction, result: torch.futures.Future) -> None:
+        self.reduction: Optional[Reduction] = reduction
+        self.result: Optional[torch.futures.Future] = result
+
+    def step(self, value: Any, error: Optional[BaseException] = None) -> None:
+        reduction, result = self.reduction, self.result
+        assert reduction is not None and result is not None
         try:
             while True:
                 fut = reduction.throw(error) if error is not None else reduction.send(value)
@@ -61,23 +79,22 @@ def drive(reduction: Reduction, result: torch.futures.Future) -> torch.futures.F
                     except BaseException as exc:  # noqa: BLE001 - handed to the generator
                         error = exc
                     continue
-                fut.then(resume)
+                fut.then(self.resume)
                 return
         except StopIteration as stop:
+            self.reduction = self.result = None
             result.set_result(stop.value)
         except BaseException as exc:  # noqa: BLE001 - the caller sees it when it waits
+            self.reduction = self.result = None
             result.set_exception(exc)
 
-    def resume(fut: torch.futures.Future) -> None:
+    def resume(self, fut: torch.futures.Future) -> None:
         try:
             value = fut.wait()
         except BaseException as exc:  # noqa: BLE001
-            step(None, exc)
+            self.step(None, exc)
             return
-        step(value)
-
-    step(None)
-    return result
+        self.step(value)
 
 
 class Sequencer:
