@@ -18,12 +18,9 @@ from typing import Any, Iterable, Optional
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from gradsync.algorithms.layout import local_part
+
 KINDS = ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "algorithm_state_bytes")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(t, "to_local", None)  # a DTensor: this process's shard
-    return to_local() if callable(to_local) else t
 
 
 def _tensors(obj: Any) -> Iterable[torch.Tensor]:
@@ -44,7 +41,7 @@ def tensor_bytes(tensors: Iterable[Optional[torch.Tensor]]) -> int:
     for t in tensors:
         if t is None:
             continue
-        t = _local(t.detach())
+        t = local_part(t.detach())  # a DTensor: this process's shard
         storage = t.untyped_storage()
         seen[(t.device, storage.data_ptr())] = max(seen.get((t.device, storage.data_ptr()), 0), storage.nbytes())
     return sum(seen.values())

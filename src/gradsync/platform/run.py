@@ -498,7 +498,9 @@ def ranks_agree(tensors: list) -> bool:
     # on the other nodes (the processes of the same coordinate in the node's mesh)
     mesh = getattr(params[0], "device_mesh", None)
     shard = float(mesh.get_local_rank()) if mesh is not None else 0.0
-    params = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+    from gradsync.algorithms.layout import local_part
+
+    params = [local_part(p) for p in params]
     fp = torch.zeros(4, dtype=torch.float64, device=params[0].device)
     fp[0] = shard
     # chunk by chunk, so that the fingerprint of a large model costs megabytes, not a float64 copy of it

@@ -206,7 +206,7 @@ class CompressedStrategy(GradsyncStrategy):
 
     def sharded_gradient_reducer(self) -> Reducer:
         state = self._hook_state
-        return state.warmup if self.schedule.num_steps < self.schedule.warmup_steps else state.reducer
+        return state.warmup if self.schedule.in_warmup else state.reducer
 
     def _build_reducers(self) -> tuple[Reducer, Reducer]:
         """The codec's reducer and the warm-up's, wrapped as the scope and momentum correction ask."""
