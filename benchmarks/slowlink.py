@@ -12,10 +12,12 @@ Needs root and iproute2; without them it says so and exits cleanly.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -91,8 +93,15 @@ def link_up(rate: str) -> None:
 
 
 def link_down() -> None:
+    """Remove this suite's namespaces and veth pair, and anything an interrupted run left in them: its
+    processes (which would hold the port) and a pair not yet moved into the namespaces."""
     for ns in NS:
+        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    subprocess.run(["ip", "link", "del", VETH[0]], capture_output=True)
 
 
 def measure_link(seconds: float = 2.0) -> float:
