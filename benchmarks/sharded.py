@@ -47,7 +47,7 @@ def run(out: Path, quick: bool = False) -> Report:
     model = QUICK_MODEL if quick else MODEL
     results = {}
     # the quick run: sync's pair only (tests/distributed/test_sharded.py holds sharded diloco's memory to its
-    # baseline's, in-process and in seconds; a four-process CLI run costs ~25 s here, mostly start-up)
+    # baseline's, in-process and in seconds; a four-process CLI run costs ~35 s here, mostly start-up)
     plan = {k: v for k, v in STRATEGIES.items() if not quick or k in QUICK}
     with tempfile.TemporaryDirectory() as tmp:
         for name, (flags, _) in plan.items():
