@@ -3,9 +3,9 @@
 import json
 import os
 import re
-import subprocess
 import sys
 
+import cli_process
 import pytest
 import torch
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(240)
 def test_async_ps_on_three_processes_reports_staleness(tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    r = subprocess.run([sys.executable, "-m", "gradsync.cli.main", "fit", "--recipe", "digits", "--strategy", "async_ps",
+    r = cli_process.run([sys.executable, "-m", "gradsync.cli.main", "fit", "--recipe", "digits", "--strategy", "async_ps",
                         "--strategy.max_staleness", "3", "--devices", "3", "--accelerator", "cpu", "--max-steps", "20",
                         "--output-dir", str(out)], capture_output=True, text=True, timeout=200, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -60,7 +60,7 @@ def test_a_worker_that_dies_stops_the_job_and_is_named(tmp_path):
     (tmp_path / "dying.py").write_text(DYING)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline",
            "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    r = subprocess.run([sys.executable, "-m", "gradsync.cli.main", "fit", "--model", "dying.DyingDigits",
+    r = cli_process.run([sys.executable, "-m", "gradsync.cli.main", "fit", "--model", "dying.DyingDigits",
                         "--data", "gradsync.recipes.digits.DigitsData", "--strategy", "async_ps", "--devices", "3",
                         "--accelerator", "cpu", "--max-steps", "40", "--output-dir", str(tmp_path / "run")],
                        capture_output=True, text=True, timeout=200, env=env)

@@ -2,10 +2,9 @@
 
 import json
 import os
-import subprocess
 import sys
-from pathlib import Path
 
+import cli_process
 import pytest
 import torch
 
@@ -23,7 +22,7 @@ REQUIRED_SUMMARY_KEYS = {
 
 def gradsync(*args, timeout=200):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    return subprocess.run([sys.executable, "-m", "gradsync.cli.main", *args], capture_output=True, text=True,
+    return cli_process.run([sys.executable, "-m", "gradsync.cli.main", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
 
 

@@ -3,9 +3,9 @@
 import json
 import math
 import os
-import subprocess
 import sys
 
+import cli_process
 import pytest
 
 pytestmark = pytest.mark.timeout(240)
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.timeout(240)
 def test_fit_compressed_int8_reports_its_compression_ratio(tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    proc = subprocess.run(
+    proc = cli_process.run(
         [sys.executable, "-m", "gradsync.cli.main", "fit", "--recipe", "digits", "--strategy", "compressed",
          "--strategy.codec", "int8", "--devices", "2", "--accelerator", "cpu", "--max-steps", "5",
          "--output-dir", str(out)],

@@ -1,9 +1,9 @@
 """`gradsync doctor`: versions, environment without secrets, a real all-reduce across the group."""
 
 import os
-import subprocess
 import sys
 
+import cli_process
 import pytest
 import torch
 
@@ -27,7 +27,7 @@ def test_doctor_checks_an_allreduce_across_two_processes():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_API_KEY": "s3cr3t-doctor", "NCCL_DEBUG": "WARN"}
     for var in ("MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)
-    r = subprocess.run([sys.executable, "-m", "gradsync.cli.main", "doctor", "--devices", "2", "--size-mb", "1"],
+    r = cli_process.run([sys.executable, "-m", "gradsync.cli.main", "doctor", "--devices", "2", "--size-mb", "1"],
                        capture_output=True, text=True, timeout=100, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "torch       2." in r.stdout and "NCCL_DEBUG=WARN" in r.stdout

@@ -3,10 +3,10 @@ and from plain L.Trainer: a layer the loss never uses, BatchNorm buffers, two op
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import cli_process
 import pytest
 
 pytestmark = pytest.mark.timeout(300)
@@ -20,7 +20,7 @@ def env():
 
 
 def gradsync(*args, timeout=200):
-    return subprocess.run([sys.executable, "-m", "gradsync.cli.main", "fit", "--data", "ecosystem_modules.RandomData",
+    return cli_process.run([sys.executable, "-m", "gradsync.cli.main", "fit", "--data", "ecosystem_modules.RandomData",
                            "--devices", "2", "--accelerator", "cpu", *args],
                           capture_output=True, text=True, timeout=timeout, env=env())
 
@@ -61,7 +61,7 @@ def test_unused_layer_names_the_constructor_argument_under_plain_lightning(tmp_p
     e = env()
     for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "GRADSYNC_ENTRY"):
         e.pop(var, None)
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=200, env=e,
+    r = cli_process.run([sys.executable, str(script)], capture_output=True, text=True, timeout=200, env=e,
                        cwd=tmp_path)
     assert r.returncode != 0
     assert ("RuntimeError: CompressedStrategy: some parameters got no gradient in a training step (a layer the "

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import cli_process
 import pytest
 import torch
 
@@ -83,7 +84,7 @@ def test_killed_worker_restarts_resumes_and_matches_uninterrupted_run(tmp_path):
     assert summary["tracking"]["wandb_run_id"] == run_id
 
     ref = tmp_path / "ref"
-    r = subprocess.run(_cmd(*RUN, "--output-dir", str(ref)), env=_env(), capture_output=True, text=True, timeout=200)
+    r = cli_process.run(_cmd(*RUN, "--output-dir", str(ref)), env=_env(), capture_output=True, text=True, timeout=200)
     assert r.returncode == 0, r.stderr[-3000:]
     a = torch.load(ckpt, weights_only=True)["state_dict"]
     b = torch.load(ref / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
@@ -98,7 +99,7 @@ def test_killed_worker_restarts_resumes_and_matches_uninterrupted_run(tmp_path):
 
 def test_missing_peer_fails_within_the_timeout(tmp_path):
     start = time.time()
-    r = subprocess.run(_cmd("fit", "--recipe", "digits", "--accelerator", "cpu", "--devices", "1", "--nnodes", "2",
+    r = cli_process.run(_cmd("fit", "--recipe", "digits", "--accelerator", "cpu", "--devices", "1", "--nnodes", "2",
                             "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                             "--max-steps", "5", "--timeout", "8", "--output-dir", str(tmp_path / "run")),
                        env=_env(), capture_output=True, text=True, timeout=120)

@@ -2,10 +2,10 @@
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import cli_process
 import pytest
 
 from gradsync.cli.main import main
@@ -19,7 +19,7 @@ def test_plain_datamodule_is_split_across_processes_and_no_validation_is_fine(tm
     (tmp_path / "probe.py").write_text(PROBE)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PROBE_DIR": str(tmp_path),
            "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    r = subprocess.run([sys.executable, "-m", "gradsync.cli.main", "fit", "--model", "probe.Probe", "--data",
+    r = cli_process.run([sys.executable, "-m", "gradsync.cli.main", "fit", "--model", "probe.Probe", "--data",
                         "probe.ProbeData", "--devices", "2", "--accelerator", "cpu", "--max-steps", "8",
                         "--output-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=200, env=env)
     assert r.returncode == 0, r.stderr[-3000:]

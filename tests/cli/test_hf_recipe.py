@@ -4,9 +4,9 @@ weights, byte vocabulary) trains from the CLI under sync, compressed int8 and st
 import json
 import math
 import os
-import subprocess
 import sys
 
+import cli_process
 import pytest
 import torch
 
@@ -23,7 +23,7 @@ SMALL = ["--model.block_size", "32", "--data.max_chars", "20000", "--batch-size"
 def test_gpt2_trains_with_tied_weights_equal_on_every_rank(tmp_path, strategy):
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    r = subprocess.run([sys.executable, "-m", "gradsync.cli.main", "fit", "--recipe", "hf_causal_lm", *SMALL,
+    r = cli_process.run([sys.executable, "-m", "gradsync.cli.main", "fit", "--recipe", "hf_causal_lm", *SMALL,
                         "--devices", "2", "--accelerator", "cpu", "--max-steps", "12", "--strategy", *strategy,
                         "--output-dir", str(out)], capture_output=True, text=True, timeout=240, env=env)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -4,10 +4,9 @@ resumes, plain CI output and its summary table, `gradsync compare`, and no secre
 import json
 import os
 import re
-import subprocess
 import sys
-from pathlib import Path
 
+import cli_process
 import pytest
 import torch
 
@@ -29,7 +28,7 @@ def wandb_run(tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_API_KEY": FAKE_KEY,
            "HF_TOKEN": FAKE_TOKEN}
     env.pop("WANDB_DIR", None)
-    r = subprocess.run(
+    r = cli_process.run(
         [sys.executable, "-m", "gradsync.cli.main", "fit", "--recipe", "digits", "--strategy", "local_sgd",
          "--strategy.period", "4", "--devices", "2", "--accelerator", "cpu", "--max-steps", "12",
          "--batch-size", "16", "--output-dir", str(out), "--logger", "wandb", "--wandb.project", "gradsync-tests",
@@ -68,7 +67,7 @@ def test_offline_wandb_run_holds_config_and_comm_history(wandb_run):
 
 def test_offline_run_is_syncable(wandb_run):
     out, _ = wandb_run
-    r = subprocess.run([sys.executable, "-m", "wandb", "sync", "--dry-run", *map(str, (out / "wandb").glob("offline-run-*"))],
+    r = cli_process.run([sys.executable, "-m", "wandb", "sync", "--dry-run", *map(str, (out / "wandb").glob("offline-run-*"))],
                        capture_output=True, text=True, timeout=60, env={**os.environ, "WANDB_MODE": "offline"})
     assert r.returncode == 0, r.stderr
     assert "Would sync 1 run" in r.stdout + r.stderr

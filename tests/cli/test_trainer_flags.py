@@ -7,9 +7,9 @@ The flags come from Lightning's own signature, so these tests build the Trainer 
 import inspect
 import json
 import os
-import subprocess
 import sys
 
+import cli_process
 import lightning as L
 import pytest
 
@@ -115,7 +115,7 @@ def test_precision_and_clipping_reach_the_trainer_of_a_real_run(tmp_path):
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline",
            "PYTHONPATH": f"{tests}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    r = subprocess.run([sys.executable, "-m", "gradsync.cli.main", "fit", "--recipe", "digits", "--devices", "2",
+    r = cli_process.run([sys.executable, "-m", "gradsync.cli.main", "fit", "--recipe", "digits", "--devices", "2",
                         "--accelerator", "cpu", "--max-steps", "4", "--precision", "bf16-mixed",
                         "--gradient-clip-val", "0.5", "--callbacks+", "trainer_probe.TrainerArgsProbe",
                         "--output-dir", str(out)], capture_output=True, text=True, timeout=200, env=env)
