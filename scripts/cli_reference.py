@@ -239,6 +239,7 @@ def _option_names(cls: type) -> list[str]:
 def _other_commands() -> list[str]:
     from gradsync.cli.doctor import main as doctor
     from gradsync.cli.export import build_parser as export_parser
+    from gradsync.cli.lighthouse import parser as lighthouse_parser
     from gradsync.cli.sample import build_parser as sample_parser
     from gradsync.platform.compare import cmd_compare
 
@@ -255,6 +256,9 @@ def _other_commands() -> list[str]:
                    "that loads into the unsharded module with `torch.load(path, weights_only=True)`: rank 0's "
                    "weights from the checkpoint, which every rank shares after a synchronization.",
          lambda: export_parser().print_help()),
+        ("lighthouse", "torchft's lighthouse, where the replica groups of `--fault-tolerance torchft` form a quorum "
+                       "before every round (the `ft` extra); see [fault tolerance](../guides/fault-tolerance.md).",
+         lambda: lighthouse_parser().print_help()),
     ]
     out: list[str] = []
     for name, what, show_help in sections:

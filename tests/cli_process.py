@@ -29,7 +29,8 @@ from typing import Any, Optional, Sequence
 
 _PREFIX = [sys.executable, "-m", "gradsync.cli.main"]
 
-# Read by the interpreter at start-up, so a child of the template cannot change them.
+# Read by the interpreter at start-up, so a child of the template cannot change them (nor can it change
+# the C library's and the dynamic loader's: MALLOC_*, GLIBC_*, LD_*).
 _STARTUP_VARS = ("PYTHONWARNINGS", "PYTHONHASHSEED", "PYTHONOPTIMIZE", "PYTHONDONTWRITEBYTECODE", "PYTHONSAFEPATH",
                  "PYTHONNOUSERSITE", "PYTHONUTF8", "PYTHONIOENCODING", "PYTHONUNBUFFERED", "PYTHONHOME",
                  "PYTHONDEVMODE", "PYTHONFAULTHANDLER", "PYTHONMALLOC", "PYTHONINTMAXSTRDIGITS")
@@ -148,7 +149,8 @@ def _forkable(cmd: Sequence[str], env: dict, kwargs: dict) -> bool:
     if list(cmd[:3]) != _PREFIX or kwargs.get("input") is not None or os.environ.get("GRADSYNC_TESTS_NO_TEMPLATE"):
         return False
     base = _template.env if _template is not None and _template.alive() else os.environ
-    return all(env.get(k) == base.get(k) for k in _STARTUP_VARS)
+    startup = set(_STARTUP_VARS) | {k for k in (*env, *base) if k.startswith(("MALLOC_", "GLIBC_", "LD_"))}
+    return all(env.get(k) == base.get(k) for k in startup)
 
 
 def run(cmd: Sequence[str], *, env: Optional[dict] = None, cwd: Any = None, timeout: Optional[float] = None,

@@ -36,6 +36,13 @@ def test_sigterm_broadcast_of_the_training_epoch_loop():
     assert calls == [trainer.fit_loop.epoch_loop]
 
 
+def test_batches_that_stepped_of_the_training_epoch_loop():
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
+    assert lp.batches_that_stepped(trainer) == 0
+    lp.set_batches_that_stepped(trainer, 7)
+    assert trainer.fit_loop.epoch_loop._batches_that_stepped == 7 and lp.batches_that_stepped(trainer) == 7
+
+
 def test_fit_progress_schema_of_a_real_checkpoint(tmp_path):
     trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, default_root_dir=tmp_path)

@@ -84,6 +84,16 @@ class Payload(Protocol):
         """Declare the payload's state (replicated, averaged or per rank)."""
 
 
+class Coordinator(Protocol):
+    """Membership around each round (fault-tolerant replica groups, :mod:`gradsync.comm.managed`):
+    :meth:`begin_round` before anything is sent, :meth:`commit` once the mean is known — False when a
+    peer failed during the round, which is then dropped (nothing lands, every group keeps its values)."""
+
+    def begin_round(self) -> None: ...
+
+    def commit(self) -> bool: ...
+
+
 class Round:
     """One fragment's synchronization: :meth:`prepare` issues its reduction without waiting,
     :meth:`wait` collects the mean (keeping it until it is applied), :meth:`land` applies it."""
@@ -102,6 +112,8 @@ class Round:
     def prepare(self, s: int, kind: str = "round", values: Optional[list[torch.Tensor]] = None) -> None:
         """Issue this fragment's reduction after local step ``s`` (from ``values``, default: the parameters now)."""
         a = self.algorithm
+        if a.coordinator is not None:
+            a.coordinator.begin_round()
         layout = a.layout
         indices = layout.fragments[self.fragment]
         values = layout.values(indices) if values is None else values
@@ -142,6 +154,12 @@ class Round:
         layout = a.layout
         indices = layout.fragments[self.fragment]
         a.emit("land", fragment=self.fragment, step=s, blend=alpha > 0, values=layout.values(indices))
+        if a.coordinator is not None:
+            self.wait()
+            if not a.coordinator.commit():  # a peer failed during the round: it changes nothing
+                self.issued_at, self.means = None, None
+                a.emit("dropped", fragment=self.fragment, step=s)
+                return
         common = self.collect()
         if alpha > 0:
             common = [alpha * local + (1 - alpha) * c.to(local.device)
@@ -196,6 +214,10 @@ class PeriodicAveraging:
         #: the group parameter-shaped tensors are averaged over outside rounds (None: the buffer group);
         #: under FSDP2 the processes that hold the same shard (one per node)
         self.param_group: Optional[dist.ProcessGroup] = None
+        #: membership around rounds (fault-tolerant replica groups); None: a fixed group
+        self.coordinator: Optional[Coordinator] = None
+        #: the ranks sync would all-reduce over, when rounds span more than this process group (replica groups)
+        self.logical_world: Optional[int] = None
         self._layout: Optional[Layout] = None
         self._reducer: Optional[Reducer] = None
         self._restored_reducer_state: Optional[dict] = None
@@ -254,7 +276,8 @@ class PeriodicAveraging:
         if warmup:
             return
         # what sync DDP would have sent for this step's gradients (warm-up steps record it in their hook)
-        self.ledger.add_logical(fp32_allreduce_bytes(self.layout.num_trainable, self._world()), scope=self.scope)
+        world = self.logical_world or self._world()
+        self.ledger.add_logical(fp32_allreduce_bytes(self.layout.num_trainable, world), scope=self.scope)
         self._after_local_step(self.schedule.local_steps)
 
     def _world(self) -> int:

@@ -30,6 +30,7 @@ USAGE = """usage: gradsync {fit,validate,test} [--recipe NAME | --model CLASS --
        gradsync compare RUN_DIR... [--output-dir DIR]   (side-by-side table and plots of finished runs)
        gradsync sample --checkpoint RUN_DIR|FILE [--prompt TEXT] [--num-chars N]   (text from a chargpt checkpoint)
        gradsync export RUN_DIR|FILE [--output FILE]   (the model as one plain state_dict, default RUN_DIR/model.pt)
+       gradsync lighthouse --min-replicas N [--port P]   (torchft's lighthouse for --fault-tolerance torchft)
        gradsync {fit,validate,test} --help     (flags of the chosen recipe and strategy)"""
 
 COMMANDS = ("fit", "validate", "test")
@@ -81,6 +82,16 @@ RUN_FLAGS: list[tuple[tuple[str, ...], dict]] = [
                "is derived (default: batch size x processes, K = 1)")),
     (("--checkpoint_every", "--checkpoint-every"), dict(type=int, default=0,
           help="also save last.ckpt every N optimizer steps (0: at epoch ends and at the end)")),
+    (("--fault_tolerance", "--fault-tolerance"), dict(type=Literal["none", "torchft"], default="none",
+          help="torchft: this job is one fault-tolerant replica group; groups that die drop out of the next "
+               "round and rejoin healed (the ft extra; local_sgd and diloco)")),
+    (("--lighthouse",), dict(type=Optional[str], default=None,
+          help="with --fault-tolerance torchft: the lighthouse, http://HOST:PORT (flag > $TORCHFT_LIGHTHOUSE)")),
+    (("--replica_group", "--replica-group"), dict(type=Optional[int], default=None,
+          help="with --fault-tolerance torchft: this group's index, 0..N-1 (flag > $REPLICA_GROUP_ID)")),
+    (("--replica_groups", "--replica-groups"), dict(type=Optional[int], default=None,
+          help="with --fault-tolerance torchft: how many replica groups share the data (flag > "
+               "$NUM_REPLICA_GROUPS)")),
 ]
 
 
@@ -331,12 +342,51 @@ def parse_run(command: str, argv: Sequence[str]):
         master_port=d["master_port"], max_restarts=d["max_restarts"], rdzv_backend=d["rdzv_backend"],
         rdzv_id=d["rdzv_id"], timeout=d["timeout"])
     spec.print_launch = bool(d["print_launch"])
+    spec.fault_tolerance = _fault_tolerance(d, name)
     from gradsync.platform.tracking import TrackingConfig
 
     spec.tracking = TrackingConfig.from_flags(d.get("logger"), d.get("wandb"))
     if spec.command == "fit" and spec.max_steps == -1 and spec.max_epochs is None:
         spec.max_epochs = 10
     return spec
+
+
+def _fault_tolerance(d: dict, strategy: str):
+    """The replica group this job is (``--fault-tolerance torchft``), with torchft's environment names as
+    fallbacks; None without fault tolerance."""
+    from gradsync.platform.fault_tolerance import (LIGHTHOUSE_ENV, NUM_REPLICA_GROUPS_ENV, REPLICA_GROUP_ENV,
+                                                   FaultToleranceConfig)
+
+    given = [f for f, k in (("--lighthouse", "lighthouse"), ("--replica-group", "replica_group"),
+                            ("--replica-groups", "replica_groups")) if d[k] is not None]
+    if d["fault_tolerance"] == "none":
+        if given:
+            raise UsageError(f"{given[0]} needs --fault-tolerance torchft")
+        return None
+    lighthouse = d["lighthouse"] or os.environ.get(LIGHTHOUSE_ENV)
+    if not lighthouse:
+        raise UsageError(f"--fault-tolerance torchft needs --lighthouse http://HOST:PORT (or ${LIGHTHOUSE_ENV}); "
+                         "start one with `gradsync lighthouse --min-replicas N`")
+    values = {}
+    for key, flag, env in (("replica_group", "--replica-group", REPLICA_GROUP_ENV),
+                           ("replica_groups", "--replica-groups", NUM_REPLICA_GROUPS_ENV)):
+        value = d[key] if d[key] is not None else os.environ.get(env)
+        if value is None:
+            raise UsageError(f"--fault-tolerance torchft needs {flag} (or ${env})")
+        try:
+            values[key] = int(value)
+        except ValueError:
+            raise UsageError(f"${env} {value!r}: must be an integer") from None
+    if values["replica_groups"] < 1:
+        raise UsageError(f"--replica-groups {values['replica_groups']}: must be >= 1")
+    if not 0 <= values["replica_group"] < values["replica_groups"]:
+        raise UsageError(f"--replica-group {values['replica_group']}: must be in 0..{values['replica_groups'] - 1} "
+                         "(one less than --replica-groups)")
+    if d["devices"] != 1 or d["num_nodes"] != 1:
+        raise UsageError("--fault-tolerance torchft: a replica group is one process for now; use --devices 1 "
+                         "--nnodes 1 per group and start one job per group")
+    wait = {} if d["timeout"] is None else {"quorum_timeout": d["timeout"], "timeout": d["timeout"]}
+    return FaultToleranceConfig(lighthouse=lighthouse, **values, **wait)
 
 
 def _typed(argv: Sequence[str], spellings: Sequence[str]) -> str:
@@ -437,13 +487,14 @@ def _check_lightning_strategy(name: str, accelerator: str) -> None:
 def validate_spec(spec) -> None:
     """Construct the parts once, cheaply, so bad values fail before any process is launched."""
     from gradsync.errors import OptionError
-    from gradsync.platform.run import build_strategy, resolve_accumulation, resolve_checkpoint_to_resume
+    from gradsync.platform.run import (build_strategy, resolve_accumulation, resolve_checkpoint_to_resume,
+                                       with_fault_tolerance)
 
     for component, build in (("model", lambda: spec.model_class(**spec.model_options)),
                              ("data", lambda: spec.data_class(**spec.data_options)),
-                             ("strategy", lambda: _check_strategy(build_strategy(spec.strategy, spec.strategy_options),
-                                                                  spec.world_size, spec.num_nodes,
-                                                                  spec.accelerator))):
+                             ("strategy", lambda: _check_strategy(
+                                 with_fault_tolerance(build_strategy(spec.strategy, spec.strategy_options), spec),
+                                 spec.world_size, spec.num_nodes, spec.accelerator))):
         try:
             build()
         except OptionError as exc:
@@ -575,6 +626,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             from gradsync.cli.export import cmd_export
 
             return cmd_export(rest)
+        if command == "lighthouse":
+            from gradsync.cli.lighthouse import cmd_lighthouse
+
+            return cmd_lighthouse(rest)
         if command in COMMANDS:
             from gradsync.platform.launch import handed_over
 
@@ -582,7 +637,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             if spec is None and not ({"-h", "--help"} & set(rest)):
                 precheck(command, rest)
             return cmd_run(command, rest, spec)
-        raise UsageError(f"unknown command {command!r}; choose one of fit, validate, test, list, compare, sample, export")
+        raise UsageError(f"unknown command {command!r}; choose one of fit, validate, test, list, compare, sample, export, "
+                         "lighthouse")
     except (UsageError, GradsyncError) as exc:
         # one write: every rank may print it into the same pipe, and print() writes the newline apart
         sys.stderr.write(f"gradsync: error: {exc}\n")

@@ -306,8 +306,9 @@ class CommLedger:
         scopes = set(self.by_scope) - {"world"}
         if scopes:
             out["by_scope"] = {s: self.by_scope[s].summary() for s in sorted(self.by_scope)}
+        purposes = (*OTHER_PURPOSES, *sorted(set(self.other) - set(OTHER_PURPOSES)))  # e.g. heal, when a group healed
         out["other"] = {p: self.other[p].summary(with_ratio=False) if p in self.other else
-                        Totals().summary(with_ratio=False) for p in OTHER_PURPOSES}
+                        Totals().summary(with_ratio=False) for p in purposes}
         return out
 
     def metrics(self) -> dict[str, float]:

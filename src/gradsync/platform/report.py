@@ -70,6 +70,17 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
             ("staleness", f"mean {_fmt(ps.get('staleness_mean'))}, max {_fmt(ps.get('staleness_max_observed'))} "
                           f"(bound {ps.get('max_staleness')}); histogram {hist}"),
         ]
+    ft = ps.get("fault_tolerance")
+    if ft:  # --fault-tolerance torchft: who took part, what failed, what healing cost
+        parts = ft.get("participants") or {}
+        heal = (f"healed {ft['heals']}x from a live group ({_fmt(ft['heal_seconds'])} s, "
+                f"{_fmt_bytes(ft['heal_bytes'])}, {_fmt(ft['steps_healed_over'])} steps taken over)" if ft.get("heals")
+                else "never healed")
+        fewer = " (a round over fewer groups averages a smaller global batch)" if (parts.get("min") or 0) < \
+            ft["replica_groups"] else ""
+        rows.append(("replica groups", f"group {ft['replica_group']} of {ft['replica_groups']}; rounds averaged over "
+                                       f"{parts.get('min')}..{parts.get('max')} groups{fewer}; failures seen "
+                                       f"{ft['failures_seen']}; {heal}"))
     if summary.get("tokens_per_second") is not None:
         rows.append(("tokens/s", _fmt(summary["tokens_per_second"])))
     if summary.get("resumed_from_step") is not None:

@@ -62,6 +62,8 @@ class RunSpec:
     #: Any other ``L.Trainer`` argument (``precision``, ``gradient_clip_val``, ``sync_batchnorm`` ...), as
     #: ``L.Trainer`` takes it; None for an argument gradsync derives (platform/trainer_args.py DERIVED).
     trainer_options: dict = field(default_factory=dict)
+    #: ``--fault-tolerance torchft``: this job's replica group (gradsync.comm.managed.FaultToleranceConfig)
+    fault_tolerance: Any = None
 
     @property
     def world_size(self) -> int:
@@ -300,6 +302,18 @@ def build_trainer(spec: RunSpec, strategy: Union[Strategy, str], clock: _RunCloc
     )
 
 
+def with_fault_tolerance(strategy: Any, spec: RunSpec) -> Any:
+    """``strategy`` as one fault-tolerant replica group when the run asks for it (one line if it cannot be)."""
+    if spec.fault_tolerance is None:
+        return strategy
+    if not hasattr(strategy, "enable_fault_tolerance"):
+        name = strategy if isinstance(strategy, str) else spec.strategy
+        raise GradsyncError(f"--fault-tolerance torchft runs local_sgd and diloco (a quorum per round); "
+                            f"--strategy {name} does not support it yet")
+    strategy.enable_fault_tolerance(spec.fault_tolerance)
+    return strategy
+
+
 # ---- running --------------------------------------------------------------------------------
 def execute(spec: RunSpec) -> dict:
     """Run ``spec.command`` and return the run summary (also written to ``DIR/summary.json``)."""
@@ -315,7 +329,7 @@ def execute(spec: RunSpec) -> dict:
     L.seed_everything(spec.seed, workers=True, verbose=False)
     model = spec.model_class(**spec.model_options)
     data = spec.data_class(**spec.data_options)
-    strategy = build_strategy(spec.strategy, spec.strategy_options)
+    strategy = with_fault_tolerance(build_strategy(spec.strategy, spec.strategy_options), spec)
     micro = int(getattr(data, "batch_size", 0) or 0)
     global_batch, k = resolve_accumulation(spec, ckpt, micro)
     clock = _RunClock()

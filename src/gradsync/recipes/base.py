@@ -349,9 +349,14 @@ class RecipeData(L.LightningDataModule):
         self.val_set: Optional[Dataset] = None
         self._train_loader: Optional[ShardedLoader] = None
 
-    def _shard(self) -> tuple[int, int]:
+    def _shard(self, training: bool = False) -> tuple[int, int]:
+        """(shards, this process's shard). Training data is split as the strategy's sampler arguments say:
+        the processes of the job, or of every fault-tolerant replica group; evaluation over this job's."""
         if self.trainer is None:
             return 1, 0
+        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) if training else None
+        if kwargs:
+            return int(kwargs["num_replicas"]), int(kwargs["rank"])
         return self.trainer.world_size, self.trainer.global_rank
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
@@ -362,7 +367,7 @@ class RecipeData(L.LightningDataModule):
         return batch
 
     def train_dataloader(self) -> ShardedLoader:
-        world, rank = self._shard()
+        world, rank = self._shard(training=True)
         accumulation = self.trainer.accumulate_grad_batches if self.trainer is not None else 1
         sampler = ShardedSampler(len(self.train_set), num_replicas=world, rank=rank, shuffle=True,
                                  seed=run_seed(), batch_size=self.batch_size, drop_last=True,

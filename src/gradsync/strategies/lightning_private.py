@@ -20,6 +20,8 @@ Members (and what breaks without them):
   rescaled when a resume changes the accumulation K.
 * ``WandbLogger._wandb_init``: the arguments Lightning passes to ``wandb.init``.
 * ``CSVLogger._experiment``: the writer a resumable CSV log replaces.
+* ``_TrainingEpochLoop._batches_that_stepped``: the count Lightning logs steps by; a fault-tolerant
+  replica group that heals takes a live group's (else its logged steps would restart from its own).
 * ``ParallelStrategy._layer_sync``: the plugin ``sync_batchnorm=True`` sets; torch's SyncBatchNorm
   fails on CPU, so gradsync strategies swap in a layer that works on any backend.
 
@@ -75,6 +77,19 @@ def replace_sigterm_broadcast(trainer: Any, local_check: Callable[[Any], None]) 
         raise _missing("_TrainingEpochLoop", "_broadcast_sigterm_tensor",
                        "async_ps could not replace a per-step collective, and its ranks would hang")
     loop._broadcast_sigterm_tensor = types.MethodType(local_check, loop)
+
+
+def batches_that_stepped(trainer: Any) -> int:
+    loop = trainer.fit_loop.epoch_loop
+    if not hasattr(loop, "_batches_that_stepped"):
+        raise _missing("_TrainingEpochLoop", "_batches_that_stepped",
+                       "a healed replica group could not take over the step count its metrics are logged at")
+    return int(loop._batches_that_stepped)
+
+
+def set_batches_that_stepped(trainer: Any, count: int) -> None:
+    batches_that_stepped(trainer)  # (fails loudly if the member is gone)
+    trainer.fit_loop.epoch_loop._batches_that_stepped = int(count)
 
 
 def mark_optimizer_stepped(optimizer: Any) -> None:

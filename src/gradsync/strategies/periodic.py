@@ -30,7 +30,7 @@ from gradsync.comm.hierarchical import INTER, INTRA, NodeReducer
 from gradsync.comm.reducer import Reducer
 from gradsync.errors import GradsyncError, check, spell
 from gradsync.strategies.base import GradsyncStrategy
-from gradsync.strategies.lightning_private import ddp_kwargs
+from gradsync.strategies.lightning_private import batches_that_stepped, ddp_kwargs, set_batches_that_stepped
 from gradsync.strategies.sharding import Shard, ShardDtype
 
 Scope = Literal["world", "node"]
@@ -163,6 +163,8 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
         self._algorithm: Optional[PeriodicAveraging] = None
         self._round_reducer: Optional[Reducer] = None
         self._restored_optimizer_states: Optional[list] = None
+        self.fault_tolerance: Optional[Any] = None  # gradsync.comm.managed.FaultToleranceConfig
+        self.replicas: Optional[Any] = None  # gradsync.comm.managed.ReplicaGroup, while training
 
     def _configure_streaming(self, fragments: int = 1, sync_delay: int = 0, fragment_alpha: float = 0.0) -> None:
         """Set and validate the schedule (subclasses with streaming options pass them here)."""
@@ -214,6 +216,10 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
     @property
     def reducer(self) -> Reducer:
         """The reducer of rounds (built on gradsync's own group at first use)."""
+        if self._round_reducer is None and self.replicas is not None:
+            from gradsync.comm.managed import ManagedReducer
+
+            self._round_reducer = ManagedReducer(self.replicas, ledger=self.ledger)
         if self._round_reducer is None:
             reducer = self.codec_spec.build(ledger=self.ledger, group=self.round_group(), scope=self.round_scope())
             if self.scope == "node" and not self.sharded:
@@ -269,6 +275,91 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
             raise GradsyncError(
                 f"{self.strategy_name} counts optimizer steps of one optimizer; this module configures "
                 f"{len(self.optimizers)}. Use one optimizer, or the sync strategy")
+        if self.fault_tolerance is not None and self.replicas is None:
+            self._join_replica_groups()
+
+    # ---- fault-tolerant replica groups (torchft) -----------------------------------------------
+    def enable_fault_tolerance(self, config: Any) -> None:
+        """Train as one of ``config.replica_groups`` fault-tolerant replica groups (``--fault-tolerance
+        torchft``): a quorum before every round, healing from a live group when this one rejoins."""
+        from gradsync.comm.managed import import_torchft
+
+        unsupported = [
+            (self.codec != "identity", "codec", self.codec, "identity"),
+            (self.fragments != 1, "fragments", self.fragments, 1),
+            (self.sync_delay != 0, "sync_delay", self.sync_delay, 0),
+            (self.overlap, "overlap", self.overlap, False),
+            (self.warmup_steps != 0, "warmup_steps", self.warmup_steps, 0),
+            (self.scope != "world", "scope", self.scope, "world"),
+        ]
+        for bad, option, value, fix in unsupported:
+            if bad:
+                raise GradsyncError(f"--fault-tolerance torchft: {spell(option, value)} is not supported across "
+                                    f"replica groups yet; use {spell(option, fix)}")
+        import_torchft()
+        self.fault_tolerance = config
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict:
+        kwargs = dict(super().distributed_sampler_kwargs)
+        ft = self.fault_tolerance
+        if ft is not None:  # replica group g holds ranks g*W .. g*W+W-1 of the data across all groups
+            kwargs["rank"] = ft.replica_group * kwargs["num_replicas"] + kwargs["rank"]
+            kwargs["num_replicas"] *= ft.replica_groups
+        return kwargs
+
+    def _join_replica_groups(self) -> None:
+        """Join the quorum before the first step. A group behind the others (restarted after a failure)
+        takes part in the round they are in — sending nothing — and takes a live group's state at its
+        commit; groups that start together agree on step 0 and go on."""
+        from gradsync.comm.managed import ReplicaGroup
+
+        algorithm = self.algorithm
+        self.replicas = ReplicaGroup(self.fault_tolerance, state_dict=self._heal_state, load_state_dict=self._heal,
+                                     ledger=self.ledger)
+        self._round_reducer = None
+        algorithm.coordinator = _JoinedRound(self.replicas)
+        algorithm.logical_world = self.world_size * self.fault_tolerance.replica_groups
+        algorithm.coordinator.begin_round()
+        if self.replicas.healing:
+            algorithm.before_step()
+            s = algorithm.schedule.local_steps
+            algorithm.rounds[0].prepare(s, "heal")
+            algorithm.rounds[0].land(s)
+        else:
+            algorithm.coordinator.commit()
+
+    def _heal_state(self) -> dict:
+        """What a healing group receives from this one: the model, the optimizer and scheduler states, the
+        algorithm's shared state and the step counters."""
+        trainer = self.lightning_module.trainer
+        registry = self.algorithm.registry
+        shared = {name: e.get() for name, e in registry.entries.items()
+                  if e.kind == "replicated" and name != "pending"}
+        loop = trainer.fit_loop.epoch_loop
+        progress = loop.automatic_optimization.optim_progress.optimizer.step.total
+        # A round runs inside an optimizer step, which Lightning counts as completed only once it returns:
+        # the healing group takes the step as done (its own count then follows the algorithm's).
+        in_step = progress.ready - progress.completed
+        return {"module": self.lightning_module.state_dict(), "optimizers": [o.state_dict() for o in self.optimizers],
+                "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
+                "algorithm": shared, "global_step": progress.ready,
+                "batches_that_stepped": batches_that_stepped(trainer) + in_step}
+
+    def _heal(self, state: dict) -> None:
+        trainer = self.lightning_module.trainer
+        before = trainer.global_step
+        self.lightning_module.load_state_dict(state["module"])
+        for optimizer, saved in zip(self.optimizers, state["optimizers"]):
+            optimizer.load_state_dict(saved)
+        for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"]):
+            config.scheduler.load_state_dict(saved)
+        self.algorithm.registry.load_state_dict(state["algorithm"])
+        loop = trainer.fit_loop.epoch_loop
+        progress = loop.automatic_optimization.optim_progress.optimizer.step.total
+        progress.ready = progress.completed = int(state["global_step"])
+        set_batches_that_stepped(trainer, state["batches_that_stepped"])
+        self.replicas.telemetry.steps_healed_over += int(state["global_step"]) - before
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         algorithm = self.algorithm
@@ -292,6 +383,8 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
         # Normal ends have flushed in on_train_end; after an error, drop what is in flight.
         if self._algorithm is not None:
             self._algorithm.drop_in_flight()
+        if self.replicas is not None:
+            self.replicas.shutdown()
         super().teardown()
 
     # ---- algorithm state -----------------------------------------------------------------------
@@ -350,7 +443,11 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
         return {"ledger": parts[0].get("ledger", {}), **out.state}
 
     def run_stats(self) -> dict:
-        return self.algorithm.stats()
+        stats = self.algorithm.stats()
+        if self.fault_tolerance is not None:
+            stats["fault_tolerance"] = {**self.fault_tolerance.describe(),
+                                        **(self.replicas.telemetry.summary() if self.replicas is not None else {})}
+        return stats
 
 
 #: Algorithm state shaped like this process's shards: it cannot follow a change of processes per node.
@@ -369,6 +466,23 @@ def _drop_shard_shaped(out: Any) -> None:
             out.kept = [k for k in out.kept if not k.startswith(name)]
             if label not in out.reset:
                 out.reset.append(label)
+
+
+class _JoinedRound:
+    """The algorithm's coordinator over a :class:`~gradsync.comm.managed.ReplicaGroup`: one quorum per
+    round (a round that already formed its quorum, as the join does, does not ask again)."""
+
+    def __init__(self, replicas: Any) -> None:
+        self.replicas, self.open = replicas, False
+
+    def begin_round(self) -> None:
+        if not self.open:
+            self.replicas.begin_round()
+            self.open = True
+
+    def commit(self) -> bool:
+        self.open = False
+        return self.replicas.commit()
 
 
 class _FinalRound(Callback):

@@ -1,0 +1,72 @@
+"""``gradsync lighthouse``: torchft's lighthouse, which the replica groups of ``--fault-tolerance torchft`` meet at.
+
+    gradsync lighthouse --min-replicas 3 --port 29510
+    gradsync fit ... --fault-tolerance torchft --lighthouse http://HOST:29510 --replica-group 0 --replica-groups 3
+
+It forms the quorum of every round: the first once ``--min-replicas`` groups have joined, later ones as soon
+as every group of the previous quorum is back, or ``--join-timeout-ms`` after the first asked (a group that
+stopped heart-beating for ``--heartbeat-timeout-ms`` is not waited for). Runs until interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import socket
+import sys
+import threading
+from typing import Optional, Sequence
+
+from gradsync.platform.fault_tolerance import import_torchft
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gradsync lighthouse", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--min-replicas", "--min_replicas", type=int, required=True,
+                   help="replica groups the first quorum waits for")
+    p.add_argument("--port", type=int, default=29510, help="TCP port to listen on (default 29510; 0: any free port)")
+    p.add_argument("--bind", default="[::]", help="address to listen on (default: every interface)")
+    p.add_argument("--join-timeout-ms", "--join_timeout_ms", type=int, default=1000,
+                   help="how long a quorum waits for members of the previous one (default 1000)")
+    p.add_argument("--heartbeat-timeout-ms", "--heartbeat_timeout_ms", type=int, default=2000,
+                   help="a group silent this long is considered gone (default 2000)")
+    p.add_argument("--address-file", "--address_file", default=None,
+                   help="also write the lighthouse's address to this file once it listens")
+    return p
+
+
+def cmd_lighthouse(argv: Sequence[str], stop: Optional[threading.Event] = None) -> int:
+    args = parser().parse_args(list(argv))
+    if args.min_replicas < 1:
+        print(f"gradsync: error: --min-replicas {args.min_replicas}: must be >= 1", file=sys.stderr)
+        return 2
+    if not 0 <= args.port < 65536:
+        print(f"gradsync: error: --port {args.port}: must be a TCP port, 0..65535", file=sys.stderr)
+        return 2
+    import_torchft()
+    from torchft.coordination import LighthouseServer
+
+    try:
+        server = LighthouseServer(bind=f"{args.bind}:{args.port}", min_replicas=args.min_replicas,
+                                  join_timeout_ms=args.join_timeout_ms,
+                                  heartbeat_timeout_ms=args.heartbeat_timeout_ms)
+    except Exception as exc:  # the port is taken, the address is not this machine's
+        print(f"gradsync: error: --port {args.port}: the lighthouse cannot listen on {args.bind}:{args.port} "
+              f"({str(exc).splitlines()[0][:200]}); choose another --port", file=sys.stderr)
+        return 2
+    address = server.address().replace("[::]", socket.gethostname())
+    if args.address_file:
+        from pathlib import Path
+
+        tmp = Path(args.address_file).with_suffix(".tmp")
+        tmp.write_text(address + "\n")
+        tmp.replace(args.address_file)
+    print(f"gradsync: lighthouse at {address}, first quorum at {args.min_replicas} replica group(s); pass "
+          f"--fault-tolerance torchft --lighthouse {address} to every group (Ctrl-C stops it)", flush=True)
+    stop = stop or threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.shutdown()
+    return 0

@@ -1,0 +1,260 @@
+"""Replica groups that survive one another's failures: torchft's Manager as gradsync's transport between groups.
+
+A *replica group* is one ``gradsync fit`` job (a node, or one process) holding one replica of the model.
+Replica groups find each other through torchft's Lighthouse (``gradsync lighthouse``); before every round
+each group asks its Manager for a *quorum* — the groups alive right now — and torchft reconfigures a
+gloo/NCCL process group over exactly those. A group that died drops out of the next quorum; one that
+comes back is *healed*: it receives a live group's state (model, optimizer, algorithm state, step
+counters) over torchft's checkpoint transport before it contributes.
+
+:class:`ReplicaGroup` owns the Manager and what gradsync needs of it: a quorum per round
+(:meth:`ReplicaGroup.begin_round`), a commit decision after the reduction (:meth:`ReplicaGroup.commit`),
+the state a healing group receives (``state_dict`` / ``load_state_dict`` callables), and telemetry.
+:class:`ManagedReducer` is the reducer of rounds on it: the exact fp32 mean over the groups in the
+quorum. A group that is healing contributes zeros and is not counted (torchft's semantics), so the mean
+is never taken over a stale or missing contribution.
+
+torchft is the ``ft`` extra (``pip install gradsync[ft]``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import warnings
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Hashable, Optional, Sequence
+
+import torch
+
+from gradsync.comm.ledger import CommLedger
+from gradsync.comm.reducer import Reducer, split_by_dtype
+from gradsync.errors import GradsyncError
+
+#: torchft's own environment names, read as fallbacks of the flags.
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+REPLICA_GROUP_ENV = "REPLICA_GROUP_ID"
+NUM_REPLICA_GROUPS_ENV = "NUM_REPLICA_GROUPS"
+
+MISSING_EXTRA = "--fault-tolerance torchft needs the ft extra: pip install 'gradsync[ft]'"
+
+
+class _DropFlightRecorder(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:  # NCCL's flight recorder: not on gloo, said per quorum
+        return "flight recorder" not in str(record.getMessage())
+
+
+def import_torchft() -> Any:
+    """torchft, its per-quorum INFO lines quieted (its Rust side reads ``RUST_LOG``, default here ``warn``)."""
+    os.environ.setdefault("RUST_LOG", "warn")
+    try:
+        import torchft
+    except ImportError:
+        raise GradsyncError(MISSING_EXTRA) from None
+    log = logging.getLogger("torchft")
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.WARNING)
+    for handler_owner in (log, logging.getLogger("torchft.manager")):
+        handler_owner.addFilter(_DropFlightRecorder())
+    # torch's deserialization of a received checkpoint warns that the buffer is read-only; the tensors are
+    # copied into the model's own at once
+    warnings.filterwarnings("ignore", message=r"The given buffer is not writable")
+    return torchft
+
+
+@dataclass
+class FaultToleranceConfig:
+    """How this job joins the fault-tolerant replica groups (``--fault-tolerance torchft``)."""
+
+    lighthouse: str
+    replica_group: int
+    replica_groups: int
+    #: seconds a round waits for a quorum (a group restarting and healing joins within it; ``--timeout``)
+    quorum_timeout: float = 300.0
+    #: seconds any collective, commit or heal transfer may take (``--timeout``)
+    timeout: float = 60.0
+
+    def describe(self) -> dict:
+        return {"engine": "torchft", "lighthouse": self.lighthouse, "replica_group": self.replica_group,
+                "replica_groups": self.replica_groups}
+
+
+@dataclass
+class Telemetry:
+    """What the summary, the progress line and W&B report about membership."""
+
+    rounds: int = 0
+    committed: int = 0
+    participants: list = field(default_factory=list)  # per round: groups whose contribution was averaged
+    failures_seen: int = 0  # rounds with fewer groups than the one before
+    heals: int = 0
+    heal_seconds: float = 0.0
+    heal_bytes: int = 0
+    steps_healed_over: int = 0  # steps this group took over from a peer when it healed
+    started_at: float = field(default_factory=time.monotonic)
+
+    def summary(self) -> dict:
+        parts = self.participants
+        return {"rounds": self.rounds, "committed": self.committed,
+                "participants": {"min": min(parts) if parts else None, "max": max(parts) if parts else None,
+                                 "last": parts[-1] if parts else None, "per_round": list(parts)},
+                "failures_seen": self.failures_seen, "heals": self.heals,
+                "heal_seconds": round(self.heal_seconds, 3), "heal_bytes": self.heal_bytes,
+                "steps_healed_over": self.steps_healed_over}
+
+
+def _tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+class ReplicaGroup:
+    """This job as one fault-tolerant replica group (one process per group).
+
+    Args:
+        config: the lighthouse and this group's index.
+        state_dict: what a healing group receives from this one (tensors are read, not copied, while the
+            peer fetches them: called at a round's start, before anything changes).
+        load_state_dict: applies a peer's state in a healing group.
+        ledger: books the heal bytes under ``other.heal``.
+    """
+
+    def __init__(self, config: FaultToleranceConfig, *, state_dict: Callable[[], dict],
+                 load_state_dict: Callable[[dict], None], ledger: CommLedger) -> None:
+        import_torchft()
+        from torchft import Manager, ProcessGroupGloo
+
+        self.config, self.ledger = config, ledger
+        self._user_state_dict, self._user_load = state_dict, load_state_dict
+        self.telemetry = Telemetry()
+        # The group's own store: the Manager's server address and torchft's per-quorum keys live there.
+        self._store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        timeout = timedelta(seconds=config.timeout)
+        try:
+            self.manager = self._manager(Manager, ProcessGroupGloo, timeout)
+        except Exception as exc:  # the lighthouse is not there (torchft connects at once)
+            raise GradsyncError(f"fault tolerance: cannot reach the lighthouse {config.lighthouse} "
+                                f"({_first_line(exc)}); start it with `gradsync lighthouse --min-replicas N` and pass "
+                                "its address to --lighthouse") from None
+        self._healing_started: Optional[float] = None
+
+    def _manager(self, Manager: Any, ProcessGroupGloo: Any, timeout: timedelta) -> Any:
+        config = self.config
+        #: the process group torchft reconfigures over each quorum's groups
+        self.pg = ProcessGroupGloo(timeout=timeout)
+        return Manager(
+            pg=self.pg, min_replica_size=1, load_state_dict=self._load,
+            state_dict=self._user_state_dict, replica_id=f"gradsync_{config.replica_group}",
+            lighthouse_addr=config.lighthouse, store_addr="127.0.0.1", store_port=self._store.port, rank=0,
+            world_size=1, use_async_quorum=True, init_sync=False, timeout=timeout,
+            quorum_timeout=timedelta(seconds=config.quorum_timeout), connect_timeout=timeout,
+            hostname=os.environ.get("GRADSYNC_FT_HOSTNAME", socket.gethostname()))
+
+    # ---- rounds ----------------------------------------------------------------------------------
+    def begin_round(self) -> None:
+        """Form this round's quorum (blocking: a healing group fetches a peer's state meanwhile)."""
+        t0 = time.perf_counter()
+        try:
+            self.manager.start_quorum()
+            self.manager.wait_quorum()
+        except Exception as exc:  # the lighthouse is gone, or no quorum formed in time
+            raise GradsyncError(f"fault tolerance: no quorum at the lighthouse {self.config.lighthouse} within "
+                                f"{self.config.quorum_timeout:g} s ({_first_line(exc)}); start it with "
+                                "`gradsync lighthouse --min-replicas N` and pass its address to --lighthouse") from None
+        if self.healing:
+            self._healing_started = t0
+        n = self.participants
+        if self.telemetry.participants and n < self.telemetry.participants[-1]:
+            self.telemetry.failures_seen += 1
+        self.telemetry.rounds += 1
+        self.telemetry.participants.append(n)
+
+    @property
+    def healing(self) -> bool:
+        """This group is behind the quorum and takes a peer's state at this round's commit."""
+        return not self.manager.is_participating()
+
+    @property
+    def participants(self) -> int:
+        """Groups whose contribution this round's mean is taken over (a healing group's is not)."""
+        return self.manager.num_participants()
+
+    def commit(self) -> bool:
+        """After the round's reduction: True when every group may apply it (a healing group's peer state
+        is loaded first); False when a peer failed during the round, which then changes nothing."""
+        ok = self.manager.should_commit()
+        if ok:
+            self.telemetry.committed += 1
+        return ok
+
+    def _load(self, state: dict) -> None:
+        self._user_load(state)
+        nbytes = _tensor_bytes(state)
+        self.telemetry.heals += 1
+        self.telemetry.heal_bytes += nbytes
+        if self._healing_started is not None:
+            self.telemetry.heal_seconds += time.perf_counter() - self._healing_started
+            self._healing_started = None
+        self.ledger.record("send", nbytes, group_size=2, purpose="heal")
+
+    def allreduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` replaced by its mean over the quorum's participants (zeros sent while healing)."""
+        work = self.manager.allreduce(tensor)
+        work.wait()
+        return tensor
+
+    def wire_size(self) -> int:
+        """Groups in this round's process group (a healing group takes part, sending zeros)."""
+        return max(int(self.pg.size()), 1)
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text else type(exc).__name__
+
+
+class ManagedReducer(Reducer):
+    """``identity`` over the replica groups of a quorum: the exact fp32 mean, one all-reduce per dtype.
+
+    The sum over the quorum's process group, divided by the participants (torchft's average): a
+    healing group sends zeros and is not counted.
+    """
+
+    codec = "identity"
+
+    def __init__(self, group: ReplicaGroup, *, ledger: Optional[CommLedger] = None, scope: str = "world") -> None:
+        super().__init__(ledger=ledger, scope=scope)
+        self.replicas = group
+
+    def reduce(self, tensors: Sequence[torch.Tensor], *, names: Optional[Sequence[str]] = None,
+               sync: Optional[Hashable] = None) -> torch.futures.Future:
+        tensors = list(tensors)
+        means: list[Optional[torch.Tensor]] = [None] * len(tensors)
+        t0 = time.perf_counter()
+        for _, idx in split_by_dtype(tensors).items():
+            flat = torch.cat([tensors[i].detach().reshape(-1).to(torch.float32) for i in idx])
+            self.replicas.allreduce_mean(flat)
+            self.ledger.record("all_reduce", flat.numel() * flat.element_size(), group_size=self.replicas.wire_size(),
+                               scope=self.scope, sync=sync, seconds=time.perf_counter() - t0)
+            pos = 0
+            for i in idx:
+                n = tensors[i].numel()
+                means[i] = flat[pos:pos + n].view(tensors[i].shape).to(tensors[i].dtype)
+                pos += n
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(means)
+        return fut
+
+    def world_size(self) -> int:
+        return self.replicas.participants

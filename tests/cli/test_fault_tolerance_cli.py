@@ -1,0 +1,195 @@
+"""``--fault-tolerance torchft`` from the CLI: three replica groups of ``diloco`` meet at ``gradsync lighthouse``;
+one is SIGKILLed mid-period, the other two go on averaging over two, the killed one is restarted, heals from a
+live group and, after its first round, all three hold the same model and algorithm state bit for bit.
+Without a failure, three groups train exactly as a three-process ``diloco`` run."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import cli_process
+from gradsync.strategies.parts import read_parts
+
+pytest.importorskip("torchft", reason="the ft extra (pip install gradsync[ft]) is not installed")
+
+pytestmark = pytest.mark.timeout(300)
+
+TESTS = Path(__file__).resolve().parents[1]
+DILOCO = ["--strategy", "diloco", "--strategy.period", "4", "--accelerator", "cpu", "--devices", "1"]
+TIMEOUT = ["--timeout", "60"]  # a group left waiting for a quorum fails within a minute
+
+
+def _env(**extra):
+    return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "GLOO_SOCKET_IFNAME": "lo",
+            "GRADSYNC_FT_HOSTNAME": "127.0.0.1", "PYTHONPATH": f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+            **extra}
+
+
+def _cmd(*args):
+    return [sys.executable, "-m", "gradsync.cli.main", *args]
+
+
+@pytest.fixture
+def lighthouse(tmp_path):
+    """``gradsync lighthouse`` for three groups on a free port; its address."""
+    address_file = tmp_path / "lighthouse"
+    proc = subprocess.Popen(_cmd("lighthouse", "--min-replicas", "3", "--port", "0", "--address-file",
+                                 str(address_file)), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    deadline = time.monotonic() + 60
+    while not address_file.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "no address"
+        time.sleep(0.1)
+    port = address_file.read_text().strip().rsplit(":", 1)[1]
+    yield f"http://127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(10)
+
+
+def _group(index, lighthouse, out, *extra, env=None):
+    return subprocess.Popen(
+        _cmd("fit", "--model", "ft_probe.PacedDigits", "--data", "gradsync.recipes.digits.DigitsData", *DILOCO,
+             "--fault-tolerance", "torchft", "--lighthouse", lighthouse, "--replica-group", str(index),
+             "--replica-groups", "3", *TIMEOUT, "--output-dir", str(out / f"group{index}"), *extra),
+        env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _weights(run_dir):
+    return torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+
+
+def test_a_killed_group_drops_out_rejoins_heals_and_ends_identical(tmp_path, lighthouse):
+    steps, back = 40, tmp_path / "group2-is-back"
+    # the survivors train on after group 2 dies, and hold at step 20 until the restarted group has started
+    pace = _env(FT_STEP_SECONDS="0.05")
+    hold = {**pace, "FT_HOLD_AT": "20", "FT_HOLD_FILE": str(back)}
+    groups = [_group(g, lighthouse, tmp_path, "--max-steps", str(steps), env=hold) for g in (0, 1)]
+    victim = _group(2, lighthouse, tmp_path, "--max-steps", str(steps), env={**pace, "FT_DIE_AT": "10"})
+    out, _ = victim.communicate(timeout=200)
+    assert victim.returncode == -9, out[-3000:]  # killed at step 10, mid-period (rounds at 4, 8, 12 ...)
+    assert all(g.poll() is None for g in groups), "a survivor stopped when group 2 died"
+    restarted = _group(2, lighthouse, tmp_path, "--max-steps", str(steps), env={**pace, "FT_STARTED_FILE": str(back)})
+    logs = [p.communicate(timeout=240)[0] for p in (*groups, restarted)]
+    for p, log in zip((*groups, restarted), logs):
+        assert p.returncode == 0, log[-3000:]
+
+    summaries = [json.loads((tmp_path / f"group{g}" / "summary.json").read_text()) for g in range(3)]
+    ft = [s["strategy_stats"]["fault_tolerance"] for s in summaries]
+    assert all(s["global_step"] == steps for s in summaries)
+    # the survivors averaged over the two live groups while group 2 was down, over three again after it
+    # healed; they never restarted and never healed
+    for survivor in ft[:2]:
+        per_round = survivor["participants"]["per_round"]
+        assert per_round[0] == 3 and 2 in per_round and per_round[-1] == 3, per_round
+        assert survivor["failures_seen"] >= 1 and survivor["heals"] == 0
+    # the restarted group healed once, from a live peer, taking over its step counters; the heal's bytes
+    # are booked apart from training traffic
+    healed = ft[2]
+    # (it took over at a round of the others, after the step it died at)
+    taken = healed["steps_healed_over"]
+    assert healed["heals"] == 1 and healed["heal_bytes"] > 0 and taken >= 12 and taken % 4 == 0, healed
+    assert summaries[2]["comm"]["other"]["heal"]["wire_bytes"] == healed["heal_bytes"]
+    # after its first round every group holds the same model and the same algorithm state, bit for bit
+    weights = [_weights(tmp_path / f"group{g}") for g in range(3)]
+    for w in weights[1:]:
+        assert all(torch.equal(w[k], weights[0][k]) for k in weights[0])
+    parts = [read_parts(tmp_path / f"group{g}" / "checkpoints" / "last.ckpt")[0] for g in range(3)]
+    for p in parts[1:]:
+        for a, b in zip(p["global_params"], parts[0]["global_params"]):
+            assert torch.equal(a, b)
+        for key, state in p["outer_optimizer"]["state"].items():
+            assert torch.equal(state["momentum_buffer"], parts[0]["outer_optimizer"]["state"][key]["momentum_buffer"])
+        assert p["num_steps"] == parts[0]["num_steps"] and p["outer_steps"] == parts[0]["outer_steps"]
+
+
+def test_without_a_failure_three_groups_train_exactly_as_one_three_process_job(tmp_path, lighthouse):
+    """The groups split the data as the job's ranks do and average over the quorum's process group as the
+    job does over its own: the same model, bit for bit."""
+    groups = [_group(g, lighthouse, tmp_path, "--max-steps", "12") for g in range(3)]
+    plain = cli_process.run(_cmd("fit", "--model", "ft_probe.PacedDigits", "--data", "gradsync.recipes.digits.DigitsData",
+                                 *DILOCO[:-1], "3", "--max-steps", "12", "--output-dir", str(tmp_path / "plain")),
+                            env=_env(), capture_output=True, text=True, timeout=200)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    for p in groups:
+        log = p.communicate(timeout=200)[0]
+        assert p.returncode == 0, log[-3000:]
+    reference = _weights(tmp_path / "plain")
+    for g in range(3):
+        w = _weights(tmp_path / f"group{g}")
+        assert all(torch.equal(w[k], reference[k]) for k in reference), f"group {g} differs from the job"
+    summary = json.loads((tmp_path / "group0" / "summary.json").read_text())
+    assert summary["strategy_stats"]["fault_tolerance"]["participants"]["per_round"] == [3] * 4  # join + 3 rounds
+
+
+def test_a_group_alone_at_the_lighthouse_fails_in_one_line_after_the_timeout(tmp_path, lighthouse):
+    r = cli_process.run(_cmd("fit", "--recipe", "digits", *DILOCO, "--max-steps", "8", "--fault-tolerance", "torchft",
+                             "--lighthouse", lighthouse, "--replica-group", "0", "--replica-groups", "3", "--timeout", "4",
+                             "--output-dir", str(tmp_path / "alone")),
+                        env=_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-3000:]
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"gradsync: error: fault tolerance: no quorum at the lighthouse {lighthouse} within 4 s"), line
+
+
+def test_an_unreachable_lighthouse_fails_in_one_line(tmp_path):
+    r = cli_process.run(_cmd("fit", "--recipe", "digits", *DILOCO, "--max-steps", "8", "--fault-tolerance", "torchft",
+                             "--lighthouse", "http://127.0.0.1:9", "--replica-group", "0", "--replica-groups", "2",
+                             "--timeout", "3", "--output-dir", str(tmp_path / "run")),
+                        env=_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-3000:]
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith("gradsync: error: fault tolerance: cannot reach the lighthouse http://127.0.0.1:9 ("), line
+    assert line.endswith("start it with `gradsync lighthouse --min-replicas N` and pass its address to --lighthouse")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--strategy", "sync"], "--fault-tolerance torchft runs local_sgd and diloco (a quorum per round); --strategy sync "
+                             "does not support it yet"),
+    (["--strategy", "diloco", "--strategy.codec", "int8"],
+     "--fault-tolerance torchft: --strategy.codec int8 is not supported across replica groups yet; use "
+     "--strategy.codec identity"),
+    (["--strategy", "diloco", "--devices", "2"], "--fault-tolerance torchft: a replica group is one process for now; "
+                                                 "use --devices 1 --nnodes 1 per group and start one job per group"),
+    (["--strategy", "diloco", "--replica-group", "3"], "--replica-group 3: must be in 0..1 (one less than "
+                                                       "--replica-groups)"),
+])
+def test_what_fault_tolerance_cannot_do_is_one_line_before_launch(capsys, flags, message):
+    from gradsync.cli.main import main
+
+    argv = ["fit", "--recipe", "digits", "--accelerator", "cpu", "--fault-tolerance", "torchft", "--lighthouse",
+            "http://127.0.0.1:9", "--replica-group", "0", "--replica-groups", "2", *flags]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == f"gradsync: error: {message}"
+
+
+def test_the_flags_of_fault_tolerance_need_it_and_fall_back_to_torchfts_environment(capsys, monkeypatch):
+    from gradsync.cli.main import main, parse_run
+
+    assert main(["fit", "--recipe", "digits", "--lighthouse", "http://127.0.0.1:9"]) == 2
+    assert capsys.readouterr().err.strip() == "gradsync: error: --lighthouse needs --fault-tolerance torchft"
+    assert main(["fit", "--recipe", "digits", "--strategy", "diloco", "--fault-tolerance", "torchft"]) == 2
+    assert "needs --lighthouse http://HOST:PORT (or $TORCHFT_LIGHTHOUSE)" in capsys.readouterr().err
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://lh:29510")
+    monkeypatch.setenv("REPLICA_GROUP_ID", "1")
+    monkeypatch.setenv("NUM_REPLICA_GROUPS", "4")
+    spec = parse_run("fit", ["--recipe", "digits", "--strategy", "diloco", "--fault-tolerance", "torchft"])
+    ft = spec.fault_tolerance
+    assert (ft.lighthouse, ft.replica_group, ft.replica_groups) == ("http://lh:29510", 1, 4)
+    spec = parse_run("fit", ["--recipe", "digits", "--strategy", "diloco", "--fault-tolerance", "torchft",
+                             "--replica-group", "3", "--timeout", "30"])
+    assert (spec.fault_tolerance.replica_group, spec.fault_tolerance.quorum_timeout) == (3, 30.0)
+
+
+def test_without_the_extra_one_line_names_it(monkeypatch):
+    from gradsync.comm.managed import import_torchft
+    from gradsync.errors import GradsyncError
+
+    monkeypatch.setitem(sys.modules, "torchft", None)  # as if it were not installed
+    with pytest.raises(GradsyncError, match=r"^--fault-tolerance torchft needs the ft extra: pip install 'gradsync\[ft\]'$"):
+        import_torchft()

@@ -1,0 +1,35 @@
+"""The digits model, scripted for fault-tolerance tests.
+
+* ``$FT_STEP_SECONDS``: every training step sleeps this long;
+* ``$FT_DIE_AT``: the process dies (SIGKILL, no clean-up) when that training step begins;
+* ``$FT_HOLD_AT`` and ``$FT_HOLD_FILE``: at that step, wait (up to 180 s) until the file exists;
+* ``$FT_STARTED_FILE``: create this file when training starts.
+
+So a test can kill a group mid-period and keep the others training until the restarted one is back,
+however slow the machine is to start a process.
+"""
+
+import os
+import signal
+import time
+from pathlib import Path
+
+from gradsync.recipes import DigitsClassifier
+
+
+class PacedDigits(DigitsClassifier):
+    def on_train_start(self):
+        super().on_train_start()
+        if os.environ.get("FT_STARTED_FILE"):
+            Path(os.environ["FT_STARTED_FILE"]).touch()
+
+    def on_train_batch_start(self, batch, batch_idx):
+        super().on_train_batch_start(batch, batch_idx)
+        step = self.trainer.global_step
+        if os.environ.get("FT_DIE_AT") and step == int(os.environ["FT_DIE_AT"]):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if os.environ.get("FT_HOLD_AT") and step == int(os.environ["FT_HOLD_AT"]):
+            deadline = time.monotonic() + 180
+            while not Path(os.environ["FT_HOLD_FILE"]).exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        time.sleep(float(os.environ.get("FT_STEP_SECONDS", "0")))
