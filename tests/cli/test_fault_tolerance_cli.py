@@ -78,6 +78,8 @@ def test_a_killed_group_drops_out_rejoins_heals_and_ends_identical(tmp_path, lig
     logs = [p.communicate(timeout=240)[0] for p in (*groups, restarted)]
     for p, log in zip((*groups, restarted), logs):
         assert p.returncode == 0, log[-3000:]
+    # the progress line says how many groups the last round averaged over
+    assert "groups 2" in logs[0] and "groups 3" in logs[0], logs[0][-3000:]
 
     summaries = [json.loads((tmp_path / f"group{g}" / "summary.json").read_text()) for g in range(3)]
     ft = [s["strategy_stats"]["fault_tolerance"] for s in summaries]

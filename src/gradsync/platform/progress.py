@@ -40,6 +40,9 @@ def step_stats(metrics: dict) -> str:
     share = _num(metrics.get("comm/run_time_share"))
     if share is not None:
         parts.append(f"comm {100 * share:.1f}%")
+    groups = _num(metrics.get("ft/participants"))
+    if groups is not None:  # fault-tolerant replica groups in the last round's quorum
+        parts.append(f"groups {groups:.0f}")
     return "  ".join(parts)
 
 

@@ -452,6 +452,11 @@ class RunTelemetry(Callback):
         if ledger is not None and ledger.timed:
             metrics["comm/time_share"] = (float(ledger.seconds) - self._comm) / dt
             metrics["comm/run_time_share"] = self.comm_share(trainer)
+        replicas = getattr(trainer.strategy, "replicas", None)  # --fault-tolerance torchft: who is in the quorum
+        if replicas is not None and replicas.telemetry.participants:
+            ft = replicas.telemetry
+            metrics.update({"ft/participants": float(ft.participants[-1]), "ft/failures_seen": float(ft.failures_seen),
+                            "ft/heals": float(ft.heals)})
         self.latest = metrics
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
         self._mark(trainer)
