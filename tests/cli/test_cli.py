@@ -173,8 +173,8 @@ def test_hand_written_yaml_takes_strategy_by_name(tmp_path):
 def test_unknown_command_is_one_line(capsys):
     assert main(["frobnicate"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "gradsync: error: unknown command 'frobnicate'; choose one of fit, validate, test, list, compare, " \
-                  "sample, export"
+    assert err == "gradsync: error: unknown command 'frobnicate'; choose one of fit, validate, test, list, doctor, " \
+                  "compare, sample, export, lighthouse"
 
 
 def test_corrupt_checkpoint_is_one_line(tmp_path, capsys):

@@ -637,8 +637,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             if spec is None and not ({"-h", "--help"} & set(rest)):
                 precheck(command, rest)
             return cmd_run(command, rest, spec)
-        raise UsageError(f"unknown command {command!r}; choose one of fit, validate, test, list, compare, sample, export, "
-                         "lighthouse")
+        raise UsageError(f"unknown command {command!r}; choose one of fit, validate, test, list, doctor, compare, sample, "
+                         "export, lighthouse")
     except (UsageError, GradsyncError) as exc:
         # one write: every rank may print it into the same pipe, and print() writes the newline apart
         sys.stderr.write(f"gradsync: error: {exc}\n")
