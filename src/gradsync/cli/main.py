@@ -342,7 +342,7 @@ def parse_run(command: str, argv: Sequence[str]):
         master_port=d["master_port"], max_restarts=d["max_restarts"], rdzv_backend=d["rdzv_backend"],
         rdzv_id=d["rdzv_id"], timeout=d["timeout"])
     spec.print_launch = bool(d["print_launch"])
-    spec.fault_tolerance = _fault_tolerance(d, name)
+    spec.fault_tolerance = _fault_tolerance(d)
     from gradsync.platform.tracking import TrackingConfig
 
     spec.tracking = TrackingConfig.from_flags(d.get("logger"), d.get("wandb"))
@@ -351,7 +351,7 @@ def parse_run(command: str, argv: Sequence[str]):
     return spec
 
 
-def _fault_tolerance(d: dict, strategy: str):
+def _fault_tolerance(d: dict):
     """The replica group this job is (``--fault-tolerance torchft``), with torchft's environment names as
     fallbacks; None without fault tolerance."""
     from gradsync.platform.fault_tolerance import (LIGHTHOUSE_ENV, NUM_REPLICA_GROUPS_ENV, REPLICA_GROUP_ENV,

@@ -31,7 +31,7 @@ from typing import Any, Callable, Hashable, Optional, Sequence
 import torch
 
 from gradsync.comm.ledger import CommLedger
-from gradsync.comm.reducer import Reducer, split_by_dtype
+from gradsync.comm.reducer import Reducer, split_by_dtype, unflatten_into
 from gradsync.errors import GradsyncError
 
 #: torchft's own environment names, read as fallbacks of the flags.
@@ -57,8 +57,9 @@ def import_torchft() -> Any:
     log = logging.getLogger("torchft")
     if log.level == logging.NOTSET:
         log.setLevel(logging.WARNING)
-    for handler_owner in (log, logging.getLogger("torchft.manager")):
-        handler_owner.addFilter(_DropFlightRecorder())
+    for logger in (log, logging.getLogger("torchft.manager")):
+        if not any(isinstance(f, _DropFlightRecorder) for f in logger.filters):
+            logger.addFilter(_DropFlightRecorder())
     # torch's deserialization of a received checkpoint warns that the buffer is read-only; the tensors are
     # copied into the model's own at once
     warnings.filterwarnings("ignore", message=r"The given buffer is not writable")
@@ -225,7 +226,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 class ManagedReducer(Reducer):
-    """``identity`` over the replica groups of a quorum: the exact fp32 mean, one all-reduce per dtype.
+    """``identity`` over the replica groups of a quorum: the exact mean, one all-reduce per dtype.
 
     The sum over the quorum's process group, divided by the participants (torchft's average): a
     healing group sends zeros and is not counted.
@@ -242,16 +243,12 @@ class ManagedReducer(Reducer):
         tensors = list(tensors)
         means: list[Optional[torch.Tensor]] = [None] * len(tensors)
         t0 = time.perf_counter()
-        for _, idx in split_by_dtype(tensors).items():
-            flat = torch.cat([tensors[i].detach().reshape(-1).to(torch.float32) for i in idx])
+        for _, idx in split_by_dtype(tensors).items():  # as IdentityReducer: one all-reduce per dtype
+            flat = torch.cat([tensors[i].detach().reshape(-1) for i in idx])
             self.replicas.allreduce_mean(flat)
             self.ledger.record("all_reduce", flat.numel() * flat.element_size(), group_size=self.replicas.wire_size(),
                                scope=self.scope, sync=sync, seconds=time.perf_counter() - t0)
-            pos = 0
-            for i in idx:
-                n = tensors[i].numel()
-                means[i] = flat[pos:pos + n].view(tensors[i].shape).to(tensors[i].dtype)
-                pos += n
+            unflatten_into(means, flat, tensors, idx)
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(means)
         return fut

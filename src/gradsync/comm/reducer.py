@@ -115,6 +115,15 @@ class Reducer:
         return f"{type(self).__name__}({opts})"
 
 
+def unflatten_into(out: list, flat: torch.Tensor, tensors: Sequence[torch.Tensor], indices: Sequence[int]) -> None:
+    """``out[i]`` = the view of ``flat`` shaped like ``tensors[i]``, for ``indices`` laid end to end in ``flat``."""
+    pos = 0
+    for i in indices:
+        n = tensors[i].numel()
+        out[i] = flat[pos:pos + n].view(tensors[i].shape)
+        pos += n
+
+
 def split_by_dtype(tensors: Sequence[torch.Tensor]) -> dict[torch.dtype, list[int]]:
     groups: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
@@ -141,9 +150,5 @@ class IdentityReducer(Reducer):
         means: list[Optional[torch.Tensor]] = [None] * len(tensors)
         for (dtype, idx), flat in zip(groups.items(), flats.values()):
             flat.div_(world)
-            pos = 0
-            for i in idx:
-                n = tensors[i].numel()
-                means[i] = flat[pos:pos + n].view(tensors[i].shape)
-                pos += n
+            unflatten_into(means, flat, tensors, idx)
         return means, None
