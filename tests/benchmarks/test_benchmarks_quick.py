@@ -5,11 +5,18 @@ import json
 import sys
 from pathlib import Path
 
+import cli_process
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root holds benchmarks/
 
 pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(autouse=True)
+def _forked_processes(monkeypatch):
+    """The suites' gradsync commands and their torchrun workers fork from the tests' fork server."""
+    cli_process.use_for_sys_executable(monkeypatch)
 PNG = b"\x89PNG\r\n\x1a\n"
 
 

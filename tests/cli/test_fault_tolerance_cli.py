@@ -39,7 +39,7 @@ def _cmd(*args):
 def lighthouse(tmp_path):
     """``gradsync lighthouse`` for three groups on a free port; its address."""
     address_file = tmp_path / "lighthouse"
-    proc = subprocess.Popen(_cmd("lighthouse", "--min-replicas", "3", "--port", "0", "--address-file",
+    proc = cli_process.popen(_cmd("lighthouse", "--min-replicas", "3", "--port", "0", "--address-file",
                                  str(address_file)), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     deadline = time.monotonic() + 60
@@ -53,7 +53,7 @@ def lighthouse(tmp_path):
 
 
 def _group(index, lighthouse, out, *extra, env=None):
-    return subprocess.Popen(
+    return cli_process.popen(
         _cmd("fit", "--model", "ft_probe.PacedDigits", "--data", "gradsync.recipes.digits.DigitsData", *DILOCO,
              "--fault-tolerance", "torchft", "--lighthouse", lighthouse, "--replica-group", str(index),
              "--replica-groups", "3", *TIMEOUT, "--output-dir", str(out / f"group{index}"), *extra),

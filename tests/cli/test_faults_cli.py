@@ -30,25 +30,18 @@ def _cmd(*args):
     return [sys.executable, "-m", "gradsync.cli.main", *args]
 
 
-def _children(pid: int) -> list[int]:
-    out = []
+def _workers(marker: str) -> list[int]:
+    """The worker processes of the run whose command line holds ``marker``: started by torchrun, so ``-u``
+    precedes ``-m gradsync.cli.main``; the launcher's own command has no ``-u``."""
+    found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                stat = (entry / "stat").read_text()
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry.name))
-    return out
-
-
-def _descendants(pid: int) -> list[int]:
-    found, todo = [], [pid]
-    while todo:
-        kids = _children(todo.pop())
-        found += kids
-        todo += kids
+            if marker.encode() in argv and b"-u" in argv and b"gradsync.cli.main" in argv:
+                found.append(int(entry.name))
     return found
 
 
@@ -60,16 +53,14 @@ def test_killed_worker_restarts_resumes_and_matches_uninterrupted_run(tmp_path):
     env = _env(WANDB_API_KEY=SECRET, MY_SERVICE_TOKEN=SECRET)
     out = tmp_path / "killed"
     wandb = ["--logger", "wandb", "--wandb.mode", "offline", "--wandb.project", "gradsync-tests"]
-    proc = subprocess.Popen(_cmd(*RUN, *wandb, "--max-restarts", "1", "--output-dir", str(out)), env=env,
+    proc = cli_process.popen(_cmd(*RUN, *wandb, "--max-restarts", "1", "--output-dir", str(out)), env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     ckpt = out / "checkpoints" / "last.ckpt"
     deadline = time.time() + 120
     while not ckpt.exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.05)
     assert ckpt.exists(), "no checkpoint appeared"
-    workers = [p for p in _descendants(proc.pid)
-               if b"gradsync.cli.main" in Path(f"/proc/{p}/cmdline").read_bytes()
-               and b"torch.distributed.run" not in Path(f"/proc/{p}/cmdline").read_bytes()]
+    workers = _workers(str(out))
     assert len(workers) == 2, workers
     os.kill(workers[-1], signal.SIGKILL)
     log = proc.communicate(timeout=200)[0]
@@ -118,9 +109,9 @@ def test_mismatched_configs_stop_every_rank_naming_the_field(tmp_path):
     base = ["fit", "--recipe", "digits", "--accelerator", "cpu", "--devices", "1", "--nnodes", "2",
             "--master-addr", "127.0.0.1", "--master-port", str(port), "--max-steps", "5", "--timeout", "60",
             "--output-dir", str(tmp_path / "run")]
-    procs = [subprocess.Popen(_cmd(*base, "--node-rank", "0"), env=_env(), stdout=subprocess.PIPE,
+    procs = [cli_process.popen(_cmd(*base, "--node-rank", "0"), env=_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True),
-             subprocess.Popen(_cmd(*base, "--node-rank", "1", "--strategy.bucket_cap_mb", "30"), env=_env(),
+             cli_process.popen(_cmd(*base, "--node-rank", "1", "--strategy.bucket_cap_mb", "30"), env=_env(),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
     logs = [p.communicate(timeout=200)[0] for p in procs]
     for p, log in zip(procs, logs):

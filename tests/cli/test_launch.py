@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import cli_process
 import pytest
 
 from gradsync.cli.main import main
@@ -18,7 +19,7 @@ def test_two_nodes_on_localhost_train_and_agree(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for var in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK"):
         env.pop(var, None)
-    procs = [subprocess.Popen(
+    procs = [cli_process.popen(
         [sys.executable, "-m", "gradsync.cli.main", "fit", "--recipe", "digits", "--strategy", "sync",
          "--accelerator", "cpu", "--devices", "1", "--nnodes", "2", "--node-rank", str(rank),
          "--master-addr", "127.0.0.1", "--master-port", str(port), "--max-steps", "10",

@@ -15,10 +15,10 @@ test_examples.py.)
 import os
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
+import cli_process
 import pytest
 
 from harness import fit
@@ -94,7 +94,7 @@ def test_plain_lightning_snippet_runs_on_two_processes(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     env.pop("MASTER_PORT", None)
     env.pop("MASTER_ADDR", None)
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+    done = cli_process.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=150)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "RESULT SyncStrategy 2 100" in done.stdout, done.stdout[-2000:]

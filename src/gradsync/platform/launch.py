@@ -137,10 +137,11 @@ def torchrun_args(cfg: LaunchConfig, *, node_rank: Optional[int] = None) -> list
     return args
 
 
-def torchrun_command(argv: Sequence[str], cfg: LaunchConfig, *, python: str = sys.executable,
+def torchrun_command(argv: Sequence[str], cfg: LaunchConfig, *, python: Optional[str] = None,
                      node_rank: Optional[int] = None) -> list[str]:
-    """The command that re-runs ``gradsync <argv>`` under torchrun on one node."""
-    return [python, "-m", "torch.distributed.run", *torchrun_args(cfg, node_rank=node_rank),
+    """The command that re-runs ``gradsync <argv>`` under torchrun on one node (with this interpreter,
+    ``sys.executable`` when it is called, unless ``python`` is given)."""
+    return [python or sys.executable, "-m", "torch.distributed.run", *torchrun_args(cfg, node_rank=node_rank),
             "-m", "gradsync.cli.main", *argv]
 
 
