@@ -23,23 +23,25 @@ import time
 from typing import Any, Optional, Sequence
 
 import forkserver
+import forkserver_python
 
 _lock = threading.Lock()
 _server: Optional[subprocess.Popen] = None
 _python: Optional[str] = None
-_sock: Optional[str] = None
+_folder: Optional[str] = None
 _ENV = dict(os.environ)  # the server's: as the test session started, not as some test left it
 
 
 def _start() -> None:
-    global _server, _python, _sock
-    tmp = tempfile.mkdtemp(prefix="gradsync-forkserver-")
-    _sock = os.path.join(tmp, "socket")
-    _server = subprocess.Popen([sys.executable, forkserver.__file__, _sock], stdin=subprocess.DEVNULL,
+    """The server for this network namespace (requesters in others start theirs), and the ``python``."""
+    global _server, _python, _folder
+    _folder = tempfile.mkdtemp(prefix="gradsync-forkserver-")
+    sock = forkserver_python.socket_path(_folder)
+    _server = subprocess.Popen([sys.executable, forkserver.__file__, sock], stdin=subprocess.DEVNULL,
                                stdout=subprocess.DEVNULL, env=_ENV, start_new_session=True)
-    _python = forkserver.write_shim(_sock, sys.executable)
+    _python = forkserver.write_shim(_folder, sys.executable)
     deadline = time.monotonic() + 30
-    while not os.path.exists(_sock):  # it binds before it imports: requests wait in its backlog
+    while not os.path.exists(sock):  # it binds before it imports: requests wait in its backlog
         if _server.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError("the tests' fork server did not start")
         time.sleep(0.01)
@@ -70,7 +72,7 @@ def _command(cmd: Sequence[Any], env: Optional[dict]) -> tuple[list[str], dict]:
     exe = python()
     if cmd and cmd[0] == sys.executable and exe != sys.executable:
         cmd[0] = exe
-        env["GRADSYNC_FORKSERVER"] = _sock
+        env["GRADSYNC_FORKSERVER"] = _folder
     return cmd, env
 
 
@@ -79,7 +81,7 @@ def use_for_sys_executable(monkeypatch: Any) -> None:
     the forking ``python``."""
     exe = python()
     if exe != sys.executable:
-        monkeypatch.setenv("GRADSYNC_FORKSERVER", _sock)
+        monkeypatch.setenv("GRADSYNC_FORKSERVER", _folder)
         monkeypatch.setattr(sys, "executable", exe)
 
 

@@ -17,12 +17,13 @@ requester dies (SIGKILL cannot be relayed), the supervisor kills the command's p
 
 What it cannot reproduce is refused, and the requester runs the real interpreter instead: a start-up
 variable of Python's or of the C library's (``PYTHONWARNINGS``, ``PYTHONHASHSEED``, ``MALLOC_*``,
-``LD_*`` ...) that differs from the server's, another user, another network or mount namespace (``ip netns
-exec``). What stays different from a fresh interpreter: modules imported here keep what they read from the
+``LD_*`` ...) that differs from the server's, another user, another network namespace (each has a server of
+its own, started by the first requester in it: ``ip netns exec``). What stays different from a fresh interpreter: modules imported here keep what they read from the
 environment at import time, processes share this server's hash seed, and the interpreter is not finalized
 at exit (the tests of exit-time behaviour start real interpreters).
 
-Run as ``python tests/forkserver.py SOCKET``; ``tests/cli_process.py`` starts it.
+Run as ``python tests/forkserver.py SOCKET [--idle-exit SECONDS]``; ``tests/cli_process.py`` starts the
+one for the tests' own network namespace.
 """
 
 import json
@@ -45,16 +46,12 @@ PRELOAD = ("torch", "torch.distributed", "torch.distributed.run", "lightning", "
            "gradsync.platform.trainer_args", "gradsync.recipes", "gradsync.strategies")
 
 
-def shim_path(sock_path: str) -> str:
-    return os.path.join(os.path.dirname(sock_path), "python")
-
-
-def write_shim(sock_path: str, real_python: str) -> str:
-    """The ``python`` that forks from the server at ``sock_path``."""
+def write_shim(folder: str, real_python: str) -> str:
+    """The ``python`` that forks from the servers whose sockets are in ``folder``."""
     here = os.path.dirname(os.path.abspath(__file__))
     with open(os.path.join(here, "forkserver_python.py")) as f:
-        source = f.read().replace("@REAL_PYTHON@", real_python)
-    path = shim_path(sock_path)
+        source = f.read().replace("@REAL_PYTHON@", real_python).replace("@FORKSERVER@", os.path.abspath(__file__))
+    path = os.path.join(folder, "python")
     with open(path + ".tmp", "w") as f:
         f.write(f"#!{real_python} -IS\n{source}")
     os.chmod(path + ".tmp", 0o755)
@@ -84,8 +81,8 @@ def _refusal(req: dict, base_env: dict) -> str:
         return "start-up variables differ: " + ", ".join(differ)
     if req["uid"] != os.getuid():
         return "another user"
-    if (req["netns"], req["mntns"]) != (os.stat("/proc/self/ns/net").st_ino, os.stat("/proc/self/ns/mnt").st_ino):
-        return "another namespace"
+    if req["netns"] != os.stat("/proc/self/ns/net").st_ino:
+        return "another network namespace"
     return ""
 
 
@@ -219,10 +216,18 @@ def _supervise(conn: socket.socket, req: dict, fds: list, base_env: dict, base_p
     os._exit(0)
 
 
-def serve(sock_path: str) -> None:
+def serve(sock_path: str, idle_exit: float = 0.0) -> None:
+    import fcntl
     import gc
     import importlib
 
+    lock = os.open(sock_path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:  # held while this server lives: a socket file without it is stale
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return  # another server serves this socket
+    if os.path.exists(sock_path):
+        os.unlink(sock_path)
     base_env = dict(os.environ)
     pythonpath = [p for p in base_env.get("PYTHONPATH", "").split(os.pathsep) if p]
     base_path = [p for p in sys.path[1:] if p not in pythonpath and os.path.abspath(p) not in pythonpath]
@@ -235,6 +240,9 @@ def serve(sock_path: str) -> None:
     gc.freeze()  # what the imports made stays in pages the forks share
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # supervisors are reaped by the kernel
     while True:
+        if idle_exit and not select.select([listener], [], [], idle_exit)[0]:
+            os.unlink(sock_path)
+            return
         conn, _ = listener.accept()
         fds: list = []
         try:
@@ -255,6 +263,7 @@ def serve(sock_path: str) -> None:
             sys.stderr.flush()
             if os.fork() == 0:
                 listener.close()
+                os.close(lock)
                 _supervise(conn, req, fds, base_env, base_path)
         for fd in fds:
             os.close(fd)
@@ -262,4 +271,4 @@ def serve(sock_path: str) -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(sys.argv[1], float(sys.argv[3]) if sys.argv[2:3] == ["--idle-exit"] else 0.0)

@@ -1,22 +1,27 @@
 """An executable that behaves like ``python`` for the tests, and is a fork of the test fork server.
 
-``tests/forkserver.py`` writes this file, with a ``#!<the real interpreter> -IS`` line on top, next to its
-socket. Started as ``python [-u] -m MODULE ...``, ``python [-u] -c CODE ...`` or ``python [-u] SCRIPT
-...`` with ``$GRADSYNC_FORKSERVER`` naming the server's socket, it hands the server its command line,
-environment, working directory and standard streams; the server forks a process that runs the command;
-this process relays signals to it (to its process group) and exits as it exited. Anything else (another
-interpreter flag, more open descriptors than the three standard streams, no server) runs the real
-interpreter in its place, so this file is always a correct ``python``.
+``tests/forkserver.py`` writes this file, with a ``#!<the real interpreter> -IS`` line on top. Started as
+``python [-u] -m MODULE ...``, ``python [-u] -c CODE ...`` or ``python [-u] SCRIPT ...`` with
+``$GRADSYNC_FORKSERVER`` naming the servers' folder, it hands the server of its network namespace its
+command line, environment, working directory and standard streams (starting that server first when there
+is none: ``ip netns exec`` puts the benchmarks' nodes in namespaces of their own); the server forks a
+process that runs the command; this process relays signals to it (to its process group) and exits as it
+exited. Anything else (another interpreter flag, more open descriptors than the three standard streams, a
+server that does not answer) runs the real interpreter in its place, so this file is always a correct
+``python``.
 """
 
+import fcntl
 import json
 import os
 import signal
 import socket
 import struct
 import sys
+import time
 
 REAL_PYTHON = "@REAL_PYTHON@"  # filled in by tests/forkserver.py
+FORKSERVER = "@FORKSERVER@"
 
 
 def _real() -> None:
@@ -73,16 +78,67 @@ def _lines(sock: socket.socket):
         buf += chunk
 
 
+def socket_path(folder: str) -> str:
+    """The socket of the server for this process's network namespace."""
+    return os.path.join(folder, f"netns-{os.stat('/proc/self/ns/net').st_ino}.socket")
+
+
+def _server_alive(path: str) -> bool:
+    """A server holds a lock on ``<socket>.lock`` for as long as it lives (the socket file may be stale)."""
+    fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def _start_server(path: str) -> None:
+    """A server for this namespace, detached; it leaves after 5 idle minutes. Of two started at once,
+    the second finds the lock taken and leaves."""
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()
+        if os.fork() == 0:
+            null = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            os.execv(REAL_PYTHON, [REAL_PYTHON, FORKSERVER, path, "--idle-exit", "300"])
+        os._exit(0)
+    os.waitpid(pid, 0)
+
+
+def _connect(folder: str):
+    path = socket_path(folder)
+    started = False
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(path)  # while the server imports, the request waits in its backlog
+            return sock
+        except (FileNotFoundError, ConnectionRefusedError):
+            sock.close()
+            if not started and not _server_alive(path):
+                _start_server(path)
+                started = True
+            time.sleep(0.02)
+        except OSError:
+            sock.close()
+            return None
+    return None
+
+
 def main() -> None:
-    path = os.environ.get("GRADSYNC_FORKSERVER")
+    folder = os.environ.get("GRADSYNC_FORKSERVER")
     parsed = _parse(sys.argv[1:])
-    if not path or parsed is None or not _only_standard_streams():
+    if not folder or parsed is None or not _only_standard_streams():
         _real()
     unbuffered, mode, target, args = parsed
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.connect(path)
-    except OSError:
+    sock = _connect(folder)
+    if sock is None:
         _real()
     umask = os.umask(0)
     os.umask(umask)
@@ -90,7 +146,6 @@ def main() -> None:
         "mode": mode, "target": target, "args": args, "unbuffered": unbuffered, "env": dict(os.environ),
         "cwd": os.getcwd(), "umask": umask, "executable": os.path.abspath(sys.argv[0]),
         "uid": os.getuid(), "netns": os.stat("/proc/self/ns/net").st_ino,
-        "mntns": os.stat("/proc/self/ns/mnt").st_ino,
     }).encode()
     socket.send_fds(sock, [struct.pack("!I", len(request)) + request], [0, 1, 2])
     replies = _lines(sock)

@@ -5,6 +5,7 @@ Without a failure, three groups train exactly as a three-process ``diloco`` run.
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -197,3 +198,45 @@ def test_without_the_extra_one_line_names_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchft", None)  # as if it were not installed
     with pytest.raises(GradsyncError, match=r"^--fault-tolerance torchft needs the ft extra: pip install 'gradsync\[ft\]'$"):
         import_torchft()
+
+
+def test_print_launch_gives_the_lighthouse_and_one_job_per_replica_group(capsys, monkeypatch, tmp_path):
+    from gradsync.cli.main import main, parse_run
+
+    for var in ("TORCHFT_LIGHTHOUSE", "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS"):
+        monkeypatch.delenv(var, raising=False)
+    out_dir = tmp_path / "my run"
+    assert main(["fit", "--recipe", "digits", "--strategy", "diloco", "--devices", "1", "--fault-tolerance", "torchft",
+                 "--lighthouse", "http://lh.example:29600", "--replica-group", "1", "--replica-groups", "3",
+                 "--output-dir", str(out_dir), "--max-steps", "100", "--print-launch"]) == 0
+    printed = capsys.readouterr().out
+    by_hand, sbatch = printed.split("# SLURM", 1)
+    assert "\ngradsync lighthouse --min-replicas 3 --port 29600\n" in by_hand
+    jobs = [shlex.split(line)[1:] for line in by_hand.splitlines() if line.startswith("gradsync fit")]
+    assert len(jobs) == 3
+    for g, job in enumerate(jobs):  # each line is the job of group g, as gradsync itself reads it
+        spec = parse_run(job[0], job[1:])
+        ft = spec.fault_tolerance
+        assert (ft.lighthouse, ft.replica_group, ft.replica_groups) == ("http://lh.example:29600", g, 3)
+        assert spec.output_dir == out_dir / f"group{g}" and not spec.print_launch
+
+    # the sbatch script, run by bash with srun, hostname and gradsync standing in as functions that
+    # print what they were given: every group starts with its id, the lighthouse's address and its own folder
+    script = sbatch.split("\n", 1)[1]
+    stand_ins = ('hostname() { echo node0; }\n'
+                 'srun() { shift 3; [ "$1" = gradsync ] && shift; '
+                 'echo "JOB $TORCHFT_LIGHTHOUSE $REPLICA_GROUP_ID $NUM_REPLICA_GROUPS $(printf \'%q \' "$@")"; }\n'
+                 'gradsync() { echo "LIGHTHOUSE $*"; }\n')
+    r = subprocess.run(["bash", "-c", stand_ins + script.replace("#!/bin/bash\n", "")], capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert "LIGHTHOUSE lighthouse --min-replicas 3 --port 29600" in r.stdout
+    started = sorted(line.split(" ", 4)[1:] for line in r.stdout.splitlines() if line.startswith("JOB "))
+    assert [s[:3] for s in started] == [["http://node0:29600", str(g), "3"] for g in range(3)]
+    for g, (lighthouse, group, groups, job) in enumerate(started):
+        monkeypatch.setenv("TORCHFT_LIGHTHOUSE", lighthouse)
+        monkeypatch.setenv("REPLICA_GROUP_ID", group)
+        monkeypatch.setenv("NUM_REPLICA_GROUPS", groups)
+        argv = shlex.split(job)
+        spec = parse_run(argv[0], argv[1:])
+        assert (spec.fault_tolerance.replica_group, spec.output_dir) == (g, out_dir / f"group{g}")

@@ -560,7 +560,7 @@ def cmd_run(command: str, argv: list[str], spec: Any = None) -> int:
     if warning and not launch.inside_launcher():
         print(f"gradsync: warning: {warning}", file=sys.stderr)
     if spec.print_launch:
-        print(launch.print_launch([command, *argv], spec.launch.resolved()))
+        print(launch.print_launch([command, *argv], spec.launch.resolved(), spec.fault_tolerance))
         return 0
     if launch.inside_srun() and not launch.inside_torchrun():
         task = launch.slurm_task(master_port=spec.launch.master_port)

@@ -148,9 +148,12 @@ def torchrun_command(argv: Sequence[str], cfg: LaunchConfig, *, python: Optional
 LAUNCH_FLAGS = ("--print-launch", "--print_launch")
 
 
-def print_launch(argv: Sequence[str], cfg: LaunchConfig) -> str:
-    """Copy-paste commands: one torchrun line per node, and an sbatch script for SLURM."""
+def print_launch(argv: Sequence[str], cfg: LaunchConfig, fault_tolerance: Any = None) -> str:
+    """Copy-paste commands: one torchrun line per node, and an sbatch script for SLURM; with
+    ``fault_tolerance`` (torchft), the lighthouse and one job per replica group instead."""
     job = [a for a in argv if a not in LAUNCH_FLAGS]
+    if fault_tolerance is not None:
+        return _print_replica_groups(job, fault_tolerance)
     lines = [f"# torchrun: run on each node ({cfg.nnodes} node(s) x {cfg.nproc_per_node} process(es))"]
     for r in range(cfg.nnodes):
         cmd = ["torchrun", *torchrun_args(cfg, node_rank=r), "-m", "gradsync.cli.main", *job]
@@ -170,6 +173,67 @@ def print_launch(argv: Sequence[str], cfg: LaunchConfig) -> str:
         "#SBATCH --job-name=gradsync",
         "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}",
         "srun " + shlex.join(["gradsync", *srun_job, "--devices", str(cfg.nproc_per_node), "--nnodes", str(cfg.nnodes)]),
+    ]
+    return "\n".join(lines)
+
+
+def _without(argv: Sequence[str], flags: set) -> tuple[list[str], dict]:
+    """``argv`` without ``flags`` (each with its value, ``--flag v`` or ``--flag=v``), and their values."""
+    out, values, skip = [], {}, None
+    for a in argv:
+        if skip:
+            values[skip] = a
+            skip = None
+            continue
+        key, eq, value = a.partition("=")
+        if key in flags:
+            if eq:
+                values[key] = value
+            else:
+                skip = key
+            continue
+        out.append(a)
+    return out, values
+
+
+_GROUP_FLAGS = {"--lighthouse", "--replica-group", "--replica_group", "--replica-groups", "--replica_groups",
+                "--output-dir", "--output_dir"}
+
+
+def _print_replica_groups(job: Sequence[str], ft: Any) -> str:
+    """The lighthouse, then one ordinary job per replica group, each writing to ``OUTPUT_DIR/group<g>``."""
+    from urllib.parse import urlsplit
+
+    groups = ft.replica_groups
+    port = urlsplit(ft.lighthouse).port or 29510
+    rest, values = _without(job, _GROUP_FLAGS)
+    out_dir = values.get("--output-dir", values.get("--output_dir"))
+
+    def group_cmd(g: Any, flags: list[str]) -> str:  # g: a number, or a shell variable under SLURM
+        line = shlex.join(["gradsync", *rest, *flags])
+        return line + (f" --output-dir {shlex.quote(out_dir)}/group{g}" if out_dir else "")
+
+    lines = [f"# torchft: one lighthouse, then one gradsync job per replica group ({groups} groups)",
+             "# the lighthouse: once, on a machine every group reaches (its address is --lighthouse)",
+             shlex.join(["gradsync", "lighthouse", "--min-replicas", str(groups), "--port", str(port)])]
+    for g in range(groups):
+        flags = ["--lighthouse", ft.lighthouse, "--replica-group", str(g), "--replica-groups", str(groups)]
+        lines += [f"# replica group {g}: on its own machine", group_cmd(g, flags)]
+    lines += [
+        "",
+        "# SLURM: save the lines below as job.sbatch and submit with `sbatch job.sbatch`",
+        "# (the lighthouse runs on the batch host, the allocation's first node; one group per node)",
+        "#!/bin/bash",
+        f"#SBATCH --nodes={groups}",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --job-name=gradsync",
+        "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}",
+        f"export TORCHFT_LIGHTHOUSE=http://$(hostname):{port} NUM_REPLICA_GROUPS={groups}",
+        f"gradsync lighthouse --min-replicas {groups} --port {port} &",
+        f"for g in $(seq 0 {groups - 1}); do",
+        "  REPLICA_GROUP_ID=$g srun --nodes=1 --ntasks=1 --exclusive " + group_cmd("$g", []) + " &",
+        "done",
+        "wait",
     ]
     return "\n".join(lines)
 
