@@ -110,12 +110,14 @@ def measure_link(seconds: float = 2.0) -> float:
               f"s.bind(('{ADDR[0]}',29599));s.listen(1);c,_=s.accept();n=0;t=time.time()\n"
               "while True:\n b=c.recv(1<<20)\n if not b: break\n n+=len(b)\n"
               "print(n*8/(time.time()-t)/1e6)")
-    client = (f"import socket,time;c=socket.create_connection(('{ADDR[0]}',29599));b=b'x'*(1<<16);t=time.time()\n"
-              f"while time.time()-t<{seconds}: c.sendall(b)\nc.close()")
+    # the client retries until the server listens (an interpreter's start-up is not a fixed delay)
+    client = ("import socket,time\nd=time.time()+60\nwhile True:\n try:\n"
+              f"  c=socket.create_connection(('{ADDR[0]}',29599));break\n"
+              " except OSError:\n  if time.time()>d: raise\n  time.sleep(0.05)\n"
+              f"b=b'x'*(1<<16);t=time.time()\nwhile time.time()-t<{seconds}: c.sendall(b)\nc.close()")
     srv = subprocess.Popen(["ip", "netns", "exec", NS[0], sys.executable, "-c", server], stdout=subprocess.PIPE,
                            text=True)
-    time.sleep(0.5)
-    subprocess.run(["ip", "netns", "exec", NS[1], sys.executable, "-c", client], check=True, timeout=60)
+    subprocess.run(["ip", "netns", "exec", NS[1], sys.executable, "-c", client], check=True, timeout=120)
     return float(srv.communicate(timeout=60)[0].strip())
 
 

@@ -16,8 +16,9 @@ uncaught exception or a ``KeyboardInterrupt`` gives the exit status the interpre
 requester dies (SIGKILL cannot be relayed), the supervisor kills the command's process group.
 
 What it cannot reproduce is refused, and the requester runs the real interpreter instead: a start-up
-variable of Python's or of the C library's (``PYTHONWARNINGS``, ``PYTHONHASHSEED``, ``MALLOC_*``,
-``LD_*`` ...) that differs from the server's, another user, another network namespace (each has a server of
+variable of Python's or of the C library's (``PYTHONWARNINGS``, ``PYTHONHASHSEED``, ``LD_*`` ...) that
+differs from the server's (glibc's malloc tunables ``MALLOC_MMAP_THRESHOLD_`` and the like are set with
+``mallopt``, as glibc sets them from the environment), another user, another network namespace (each has a server of
 its own, started by the first requester in it: ``ip netns exec``). What stays different from a fresh interpreter: modules imported here keep what they read from the
 environment at import time, processes share this server's hash seed, and the interpreter is not finalized
 at exit (the tests of exit-time behaviour start real interpreters).
@@ -39,6 +40,9 @@ STARTUP_VARS = ("PYTHONWARNINGS", "PYTHONHASHSEED", "PYTHONOPTIMIZE", "PYTHONDON
                 "PYTHONFAULTHANDLER", "PYTHONMALLOC", "PYTHONINTMAXSTRDIGITS", "PYTHONSTARTUP", "PYTHONVERBOSE",
                 "PYTHONINSPECT", "PYTHONNODEBUGRANGES", "PYTHONPLATLIBDIR", "PYTHONTRACEMALLOC")
 STARTUP_PREFIXES = ("MALLOC_", "GLIBC_", "LD_")
+# glibc's malloc variables that mallopt() sets to the same effect in a running process
+MALLOPT = {"MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_TOP_PAD_": -2, "MALLOC_MMAP_THRESHOLD_": -3,
+           "MALLOC_MMAP_MAX_": -4, "MALLOC_ARENA_MAX": -8}
 
 # What the processes the tests start import: gradsync's CLI and everything under it, torchrun.
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.run", "lightning", "lightning.pytorch", "jsonargparse",
@@ -76,7 +80,8 @@ def _recv_request(conn: socket.socket) -> tuple:
 def _refusal(req: dict, base_env: dict) -> str:
     env = req["env"]
     startup = set(STARTUP_VARS) | {k for k in (*env, *base_env) if k.startswith(STARTUP_PREFIXES)}
-    differ = sorted(k for k in startup if env.get(k) != base_env.get(k))
+    differ = sorted(k for k in startup if env.get(k) != base_env.get(k)
+                    and not (k in MALLOPT and env.get(k, "").isdigit()))
     if differ:
         return "start-up variables differ: " + ", ".join(differ)
     if req["uid"] != os.getuid():
@@ -128,6 +133,13 @@ def _run(req: dict, fds: list, base_env: dict, base_path: list) -> None:
     os.environ.update(env)
     _streams(req["unbuffered"] or bool(env.get("PYTHONUNBUFFERED")))
     sys.executable = req["executable"]
+    tunables = {k: int(env[k]) for k in MALLOPT if env.get(k) != base_env.get(k)}
+    if tunables:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        for name, value in tunables.items():
+            libc.mallopt(MALLOPT[name], value)
     if env.get("OMP_NUM_THREADS") != base_env.get("OMP_NUM_THREADS"):
         import torch
 

@@ -2,7 +2,8 @@
 
 * ``$FT_STEP_SECONDS``: every training step sleeps this long;
 * ``$FT_DIE_AT``: the process dies (SIGKILL, no clean-up) when that training step begins;
-* ``$FT_HOLD_AT`` and ``$FT_HOLD_FILE``: at that step, wait (up to 180 s) until the file exists;
+* ``$FT_HOLD_AT`` and ``$FT_HOLD_FILE``: at that step, create ``<FT_HOLD_FILE>.waiting`` and wait (up to
+  180 s) until the file exists;
 * ``$FT_STARTED_FILE``: create this file when training starts.
 
 So a test can kill a group mid-period and keep the others training until the restarted one is back,
@@ -29,6 +30,7 @@ class PacedDigits(DigitsClassifier):
         if os.environ.get("FT_DIE_AT") and step == int(os.environ["FT_DIE_AT"]):
             os.kill(os.getpid(), signal.SIGKILL)
         if os.environ.get("FT_HOLD_AT") and step == int(os.environ["FT_HOLD_AT"]):
+            Path(os.environ["FT_HOLD_FILE"] + ".waiting").touch()
             deadline = time.monotonic() + 180
             while not Path(os.environ["FT_HOLD_FILE"]).exists() and time.monotonic() < deadline:
                 time.sleep(0.05)

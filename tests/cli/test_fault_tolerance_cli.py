@@ -36,19 +36,34 @@ def _cmd(*args):
     return [sys.executable, "-m", "gradsync.cli.main", *args]
 
 
-@pytest.fixture
-def lighthouse(tmp_path):
-    """``gradsync lighthouse`` for three groups on a free port; its address."""
+def _start_lighthouse(tmp_path, min_replicas):
+    """``gradsync lighthouse`` on a free port; its process and address."""
     address_file = tmp_path / "lighthouse"
-    proc = cli_process.popen(_cmd("lighthouse", "--min-replicas", "3", "--port", "0", "--address-file",
-                                 str(address_file)), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = cli_process.popen(_cmd("lighthouse", "--min-replicas", str(min_replicas), "--port", "0", "--address-file",
+                                  str(address_file)), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
     deadline = time.monotonic() + 60
     while not address_file.exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "no address"
         time.sleep(0.1)
     port = address_file.read_text().strip().rsplit(":", 1)[1]
-    yield f"http://127.0.0.1:{port}"
+    return proc, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+def lighthouse(tmp_path):
+    """A lighthouse whose first quorum waits for all three groups: they start together at step 0."""
+    proc, address = _start_lighthouse(tmp_path, 3)
+    yield address
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture
+def lighthouse_of_two(tmp_path):
+    """A lighthouse that forms a quorum of two: the others go on when one of three groups is down."""
+    proc, address = _start_lighthouse(tmp_path, 2)
+    yield address
     proc.terminate()
     proc.wait(10)
 
@@ -61,11 +76,20 @@ def _group(index, lighthouse, out, *extra, env=None):
         env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def _wait_for(path, procs, timeout=180):
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path.name} did not appear"
+        assert all(p.poll() is None for p in procs), "a group stopped"
+        time.sleep(0.05)
+
+
 def _weights(run_dir):
     return torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
 
 
-def test_a_killed_group_drops_out_rejoins_heals_and_ends_identical(tmp_path, lighthouse):
+def test_a_killed_group_drops_out_rejoins_heals_and_ends_identical(tmp_path, lighthouse_of_two):
+    lighthouse = lighthouse_of_two
     steps, back = 40, tmp_path / "group2-is-back"
     # the survivors train on after group 2 dies, and hold at step 20 until the restarted group has started
     pace = _env(FT_STEP_SECONDS="0.05")
@@ -74,7 +98,7 @@ def test_a_killed_group_drops_out_rejoins_heals_and_ends_identical(tmp_path, lig
     victim = _group(2, lighthouse, tmp_path, "--max-steps", str(steps), env={**pace, "FT_DIE_AT": "10"})
     out, _ = victim.communicate(timeout=200)
     assert victim.returncode == -9, out[-3000:]  # killed at step 10, mid-period (rounds at 4, 8, 12 ...)
-    assert all(g.poll() is None for g in groups), "a survivor stopped when group 2 died"
+    _wait_for(Path(str(back) + ".waiting"), groups)  # the survivors went on without it, up to step 20
     restarted = _group(2, lighthouse, tmp_path, "--max-steps", str(steps), env={**pace, "FT_STARTED_FILE": str(back)})
     logs = [p.communicate(timeout=240)[0] for p in (*groups, restarted)]
     for p, log in zip((*groups, restarted), logs):
@@ -86,17 +110,19 @@ def test_a_killed_group_drops_out_rejoins_heals_and_ends_identical(tmp_path, lig
     ft = [s["strategy_stats"]["fault_tolerance"] for s in summaries]
     assert all(s["global_step"] == steps for s in summaries)
     # the survivors averaged over the two live groups while group 2 was down, over three again after it
-    # healed; they never restarted and never healed
+    # healed; they never restarted
     for survivor in ft[:2]:
         per_round = survivor["participants"]["per_round"]
-        assert per_round[0] == 3 and 2 in per_round and per_round[-1] == 3, per_round
-        assert survivor["failures_seen"] >= 1 and survivor["heals"] == 0
+        # rounds 12 and 16 at least without it, and the restarted group's heal round (where it is not counted)
+        assert per_round.count(2) >= 3 and per_round[-1] == 3, per_round
+        # (the only heal a survivor may have is at the start, had it joined after the others' first quorum)
+        assert survivor["failures_seen"] >= 1 and survivor["heals"] <= 1
     # the restarted group healed once, from a live peer, taking over its step counters; the heal's bytes
     # are booked apart from training traffic
     healed = ft[2]
     # (it took over at a round of the others, after the step it died at)
     taken = healed["steps_healed_over"]
-    assert healed["heals"] == 1 and healed["heal_bytes"] > 0 and taken >= 12 and taken % 4 == 0, healed
+    assert healed["heals"] == 1 and healed["heal_bytes"] > 0 and taken >= 20 and taken % 4 == 0, healed
     assert summaries[2]["comm"]["other"]["heal"]["wire_bytes"] == healed["heal_bytes"]
     # after its first round every group holds the same model and the same algorithm state, bit for bit
     weights = [_weights(tmp_path / f"group{g}") for g in range(3)]
@@ -211,7 +237,8 @@ def test_print_launch_gives_the_lighthouse_and_one_job_per_replica_group(capsys,
                  "--output-dir", str(out_dir), "--max-steps", "100", "--print-launch"]) == 0
     printed = capsys.readouterr().out
     by_hand, sbatch = printed.split("# SLURM", 1)
-    assert "\ngradsync lighthouse --min-replicas 3 --port 29600\n" in by_hand
+    # a round may go on with two of the three groups: the others do not wait for one that died
+    assert "\ngradsync lighthouse --min-replicas 2 --port 29600\n" in by_hand
     jobs = [shlex.split(line)[1:] for line in by_hand.splitlines() if line.startswith("gradsync fit")]
     assert len(jobs) == 3
     for g, job in enumerate(jobs):  # each line is the job of group g, as gradsync itself reads it
@@ -230,7 +257,7 @@ def test_print_launch_gives_the_lighthouse_and_one_job_per_replica_group(capsys,
     r = subprocess.run(["bash", "-c", stand_ins + script.replace("#!/bin/bash\n", "")], capture_output=True,
                        text=True, timeout=30)
     assert r.returncode == 0, r.stderr
-    assert "LIGHTHOUSE lighthouse --min-replicas 3 --port 29600" in r.stdout
+    assert "LIGHTHOUSE lighthouse --min-replicas 2 --port 29600" in r.stdout
     started = sorted(line.split(" ", 4)[1:] for line in r.stdout.splitlines() if line.startswith("JOB "))
     assert [s[:3] for s in started] == [["http://node0:29600", str(g), "3"] for g in range(3)]
     for g, (lighthouse, group, groups, job) in enumerate(started):
@@ -240,3 +267,39 @@ def test_print_launch_gives_the_lighthouse_and_one_job_per_replica_group(capsys,
         argv = shlex.split(job)
         spec = parse_run(argv[0], argv[1:])
         assert (spec.fault_tolerance.replica_group, spec.output_dir) == (g, out_dir / f"group{g}")
+
+
+MISMATCH = "replica groups were started with different configurations: strategy.outer_lr differ"
+
+
+def test_groups_started_with_different_flags_stop_before_their_first_step_naming_the_field(tmp_path, lighthouse):
+    odd = ("--strategy.outer_lr", "0.5")
+    groups = [_group(g, lighthouse, tmp_path, "--max-steps", "8", *(odd if g == 2 else ())) for g in range(3)]
+    for p in groups:
+        log = p.communicate(timeout=200)[0]
+        assert p.returncode == 2, log[-3000:]
+        assert f"gradsync: error: {MISMATCH} (the groups of this quorum)" in log, log[-3000:]
+        assert "step 1/" not in log and "step 4/" not in log
+
+
+def test_a_group_restarted_with_other_flags_is_refused_at_its_heal_and_the_others_go_on(tmp_path,
+                                                                                       lighthouse_of_two):
+    lighthouse = lighthouse_of_two
+    back = tmp_path / "group2-is-back"
+    hold = _env(FT_STEP_SECONDS="0.05", FT_HOLD_AT="8", FT_HOLD_FILE=str(back))
+    groups = [_group(g, lighthouse, tmp_path, "--max-steps", "20", env=hold) for g in (0, 1)]
+    victim = _group(2, lighthouse, tmp_path, "--max-steps", "20", env=_env(FT_DIE_AT="6"))
+    out, _ = victim.communicate(timeout=200)
+    assert victim.returncode == -9, out[-3000:]
+    wrong = _group(2, lighthouse, tmp_path, "--max-steps", "20", "--strategy.outer_lr", "0.5",
+                   env=_env(FT_STARTED_FILE=str(back)))
+    out, _ = wrong.communicate(timeout=200)
+    assert wrong.returncode == 2, out[-3000:]
+    assert f"gradsync: error: {MISMATCH} (this group and the one it heals from)" in out, out[-3000:]
+    for p in groups:
+        log = p.communicate(timeout=200)[0]
+        assert p.returncode == 0, log[-3000:]
+    summaries = [json.loads((tmp_path / f"group{g}" / "summary.json").read_text()) for g in (0, 1)]
+    for s in summaries:
+        assert s["global_step"] == 20
+        assert s["strategy_stats"]["fault_tolerance"]["participants"]["last"] == 2

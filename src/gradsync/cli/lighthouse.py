@@ -1,11 +1,13 @@
 """``gradsync lighthouse``: torchft's lighthouse, which the replica groups of ``--fault-tolerance torchft`` meet at.
 
-    gradsync lighthouse --min-replicas 3 --port 29510
+    gradsync lighthouse --min-replicas 2 --port 29510
     gradsync fit ... --fault-tolerance torchft --lighthouse http://HOST:29510 --replica-group 0 --replica-groups 3
 
-It forms the quorum of every round: the first once ``--min-replicas`` groups have joined, later ones as soon
-as every group of the previous quorum is back, or ``--join-timeout-ms`` after the first asked (a group that
-stopped heart-beating for ``--heartbeat-timeout-ms`` is not waited for). Runs until interrupted.
+It forms the quorum of every round: at once when every group of the previous quorum asked again;
+otherwise once ``--min-replicas`` groups asked, more than half of the groups heart-beating, waiting up to
+``--join-timeout-ms`` for the others (a group silent for ``--heartbeat-timeout-ms`` is not waited for).
+So ``--min-replicas`` is the fewest groups a round may average over: with as many as there are groups, the
+others wait for a dead one to come back; one fewer lets them go on. Runs until interrupted.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gradsync lighthouse", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--min-replicas", "--min_replicas", type=int, required=True,
-                   help="replica groups the first quorum waits for")
+                   help="the fewest replica groups a round may average over (the first quorum waits for this "
+                        "many); fewer than the number of groups, so the others go on when one dies")
     p.add_argument("--port", type=int, default=29510, help="TCP port to listen on (default 29510; 0: any free port)")
     p.add_argument("--bind", default="[::]", help="address to listen on (default: every interface)")
     p.add_argument("--join-timeout-ms", "--join_timeout_ms", type=int, default=1000,

@@ -19,6 +19,7 @@ torchft is the ``ft`` extra (``pip install gradsync[ft]``).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import socket
@@ -212,12 +213,38 @@ class ReplicaGroup:
         work.wait()
         return tensor
 
+    def disagreeing(self, fingerprint: dict[str, str]) -> list[str]:
+        """The fields of ``fingerprint`` (field -> digest, the same on every group that runs the same job)
+        on which the groups of this quorum differ. One all-reduce of a fixed-size bit pattern: each field
+        XORs 32 bits of its digest into one of 128 slots chosen by its name, and the mean of a bit over
+        the groups is exactly 0 or 1 where every group holds the same bit."""
+        slots, owners = [0] * _AGREE_SLOTS, {}
+        for name, digest in fingerprint.items():
+            slot = _hash32(name) % _AGREE_SLOTS
+            slots[slot] ^= _hash32(f"{name}={digest}")
+            owners.setdefault(slot, []).append(name)
+        bits = ((torch.tensor(slots, dtype=torch.int64).unsqueeze(1) >> torch.arange(32)) & 1).to(torch.float32)
+        flat = bits.reshape(-1)
+        self.allreduce_mean(flat)
+        self.ledger.record("all_reduce", flat.numel() * flat.element_size(), group_size=self.wire_size(),
+                           purpose="control")
+        mixed = ((flat != 0) & (flat != 1)).reshape(_AGREE_SLOTS, 32).any(dim=1)
+        return sorted(name for slot in mixed.nonzero().flatten().tolist()
+                      for name in owners.get(slot, ["a field this group does not have"]))
+
     def wire_size(self) -> int:
         """Groups in this round's process group (a healing group takes part, sending zeros)."""
         return max(int(self.pg.size()), 1)
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+_AGREE_SLOTS = 128
+
+
+def _hash32(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big")
 
 
 def _first_line(exc: BaseException) -> str:

@@ -205,6 +205,9 @@ def _print_replica_groups(job: Sequence[str], ft: Any) -> str:
     from urllib.parse import urlsplit
 
     groups = ft.replica_groups
+    # the fewest groups a round may average over: a majority, and at least one fewer than all, so the
+    # others go on when a group dies (with every group required, they would wait for it to come back)
+    quorum = max(1, min(groups - 1, groups // 2 + 1))
     port = urlsplit(ft.lighthouse).port or 29510
     rest, values = _without(job, _GROUP_FLAGS)
     out_dir = values.get("--output-dir", values.get("--output_dir"))
@@ -215,7 +218,7 @@ def _print_replica_groups(job: Sequence[str], ft: Any) -> str:
 
     lines = [f"# torchft: one lighthouse, then one gradsync job per replica group ({groups} groups)",
              "# the lighthouse: once, on a machine every group reaches (its address is --lighthouse)",
-             shlex.join(["gradsync", "lighthouse", "--min-replicas", str(groups), "--port", str(port)])]
+             shlex.join(["gradsync", "lighthouse", "--min-replicas", str(quorum), "--port", str(port)])]
     for g in range(groups):
         flags = ["--lighthouse", ft.lighthouse, "--replica-group", str(g), "--replica-groups", str(groups)]
         lines += [f"# replica group {g}: on its own machine", group_cmd(g, flags)]
@@ -229,7 +232,7 @@ def _print_replica_groups(job: Sequence[str], ft: Any) -> str:
         "#SBATCH --job-name=gradsync",
         "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}",
         f"export TORCHFT_LIGHTHOUSE=http://$(hostname):{port} NUM_REPLICA_GROUPS={groups}",
-        f"gradsync lighthouse --min-replicas {groups} --port {port} &",
+        f"gradsync lighthouse --min-replicas {quorum} --port {port} &",
         f"for g in $(seq 0 {groups - 1}); do",
         "  REPLICA_GROUP_ID=$g srun --nodes=1 --ntasks=1 --exclusive " + group_cmd("$g", []) + " &",
         "done",

@@ -310,7 +310,9 @@ def with_fault_tolerance(strategy: Any, spec: RunSpec) -> Any:
         name = strategy if isinstance(strategy, str) else spec.strategy
         raise GradsyncError(f"--fault-tolerance torchft runs local_sgd and diloco (a quorum per round); "
                             f"--strategy {name} does not support it yet")
-    strategy.enable_fault_tolerance(spec.fault_tolerance)
+    from gradsync.platform.consistency import config_fingerprint
+
+    strategy.enable_fault_tolerance(spec.fault_tolerance, fingerprint=config_fingerprint(spec))
     return strategy
 
 

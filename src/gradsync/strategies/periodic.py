@@ -164,6 +164,7 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
         self._round_reducer: Optional[Reducer] = None
         self._restored_optimizer_states: Optional[list] = None
         self.fault_tolerance: Optional[Any] = None  # gradsync.comm.managed.FaultToleranceConfig
+        self._ft_fingerprint: Optional[dict[str, str]] = None
         self.replicas: Optional[Any] = None  # gradsync.comm.managed.ReplicaGroup, while training
 
     def _configure_streaming(self, fragments: int = 1, sync_delay: int = 0, fragment_alpha: float = 0.0) -> None:
@@ -279,9 +280,12 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
             self._join_replica_groups()
 
     # ---- fault-tolerant replica groups (torchft) -----------------------------------------------
-    def enable_fault_tolerance(self, config: Any) -> None:
+    def enable_fault_tolerance(self, config: Any, fingerprint: Optional[dict[str, str]] = None) -> None:
         """Train as one of ``config.replica_groups`` fault-tolerant replica groups (``--fault-tolerance
-        torchft``): a quorum before every round, healing from a live group when this one rejoins."""
+        torchft``): a quorum before every round, healing from a live group when this one rejoins.
+        ``fingerprint`` (field -> digest of the run's configuration) must be the same on every group:
+        groups that start together compare it before their first step, a healing group with the group it
+        heals from, and any field that differs stops the group(s) in one line naming it."""
         from gradsync.comm.managed import import_torchft
 
         unsupported = [
@@ -298,6 +302,7 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
                                     f"replica groups yet; use {spell(option, fix)}")
         import_torchft()
         self.fault_tolerance = config
+        self._ft_fingerprint = fingerprint
 
     @property
     def distributed_sampler_kwargs(self) -> dict:
@@ -327,7 +332,14 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
             algorithm.rounds[0].prepare(s, "heal")
             algorithm.rounds[0].land(s)
         else:
+            if self._ft_fingerprint is not None:
+                self._refuse_mismatch(self.replicas.disagreeing(self._ft_fingerprint), "the groups of this quorum")
             algorithm.coordinator.commit()
+
+    def _refuse_mismatch(self, fields: list[str], between: str) -> None:
+        if fields:
+            raise GradsyncError(f"replica groups were started with different configurations: {', '.join(fields)} "
+                                f"differ ({between}); start every group with the same flags and code")
 
     def _heal_state(self) -> dict:
         """What a healing group receives from this one: the model, the optimizer and scheduler states, the
@@ -344,9 +356,13 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
         return {"module": self.lightning_module.state_dict(), "optimizers": [o.state_dict() for o in self.optimizers],
                 "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
                 "algorithm": shared, "global_step": progress.ready,
-                "batches_that_stepped": batches_that_stepped(trainer) + in_step}
+                "batches_that_stepped": batches_that_stepped(trainer) + in_step, "config": self._ft_fingerprint}
 
     def _heal(self, state: dict) -> None:
+        mine, theirs = self._ft_fingerprint, state.get("config")
+        if mine is not None and theirs is not None:
+            differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+            self._refuse_mismatch(differ, "this group and the one it heals from")
         trainer = self.lightning_module.trainer
         before = trainer.global_step
         self.lightning_module.load_state_dict(state["module"])
