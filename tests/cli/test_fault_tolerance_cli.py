@@ -68,9 +68,13 @@ def lighthouse_of_two(tmp_path):
     proc.wait(10)
 
 
-def _group(index, lighthouse, out, *extra, env=None):
+DIGITS = ("ft_probe.PacedDigits", "gradsync.recipes.digits.DigitsData")
+BATCHNORM = ("ecosystem_modules.BatchNormNet", "ecosystem_modules.RandomData")  # floating buffers
+
+
+def _group(index, lighthouse, out, *extra, env=None, model=DIGITS):
     return cli_process.popen(
-        _cmd("fit", "--model", "ft_probe.PacedDigits", "--data", "gradsync.recipes.digits.DigitsData", *DILOCO,
+        _cmd("fit", "--model", model[0], "--data", model[1], *DILOCO,
              "--fault-tolerance", "torchft", "--lighthouse", lighthouse, "--replica-group", str(index),
              "--replica-groups", "3", *TIMEOUT, "--output-dir", str(out / f"group{index}"), *extra),
         env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -137,12 +141,14 @@ def test_a_killed_group_drops_out_rejoins_heals_and_ends_identical(tmp_path, lig
         assert p["num_steps"] == parts[0]["num_steps"] and p["outer_steps"] == parts[0]["outer_steps"]
 
 
-@pytest.mark.parametrize("strategy", ["diloco"])  # local_sgd runs the same rounds (exact: tested by hand, 12 steps)
-def test_without_a_failure_three_groups_train_exactly_as_one_three_process_job(tmp_path, lighthouse, strategy):
+# (local_sgd runs the same rounds: exact, tested by hand over 12 steps)
+@pytest.mark.parametrize("strategy, model", [("diloco", DIGITS), ("diloco", BATCHNORM)], ids=["digits", "batchnorm"])
+def test_without_a_failure_three_groups_train_exactly_as_one_three_process_job(tmp_path, lighthouse, strategy, model):
     """The groups split the data as the job's ranks do and average over the quorum's process group as the
-    job does over its own: the same model, bit for bit."""
-    groups = [_group(g, lighthouse, tmp_path, "--max-steps", "12", "--strategy", strategy) for g in range(3)]
-    plain = cli_process.run(_cmd("fit", "--model", "ft_probe.PacedDigits", "--data", "gradsync.recipes.digits.DigitsData",
+    job does over its own (the parameters, and BatchNorm's statistics with them): the same model, bit for bit."""
+    groups = [_group(g, lighthouse, tmp_path, "--max-steps", "12", "--strategy", strategy, model=model)
+              for g in range(3)]
+    plain = cli_process.run(_cmd("fit", "--model", model[0], "--data", model[1],
                                  *DILOCO[:-1], "3", "--strategy", strategy, "--max-steps", "12",
                                  "--output-dir", str(tmp_path / "plain")),
                             env=_env(), capture_output=True, text=True, timeout=200)

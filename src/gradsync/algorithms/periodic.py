@@ -87,11 +87,15 @@ class Payload(Protocol):
 class Coordinator(Protocol):
     """Membership around each round (fault-tolerant replica groups, :mod:`gradsync.comm.managed`):
     :meth:`begin_round` before anything is sent, :meth:`commit` once the mean is known — False when a
-    peer failed during the round, which is then dropped (nothing lands, every group keeps its values)."""
+    peer failed during the round, which is then dropped (nothing lands, every group keeps its values);
+    :meth:`mean` averages a tensor over the groups of the round (the floating buffers, after their mean
+    inside the group)."""
 
     def begin_round(self) -> None: ...
 
     def commit(self) -> bool: ...
+
+    def mean(self, tensor: torch.Tensor, sync: Any) -> None: ...
 
 
 class Round:
@@ -341,17 +345,21 @@ class PeriodicAveraging:
 
     @torch.no_grad()
     def average_buffers(self, sync: Any) -> None:
-        """Plain fp32 mean of the floating buffers over the buffer group, blocking.
+        """Plain fp32 mean of the floating buffers over the buffer group (and the replica groups of the
+        round, with a coordinator), blocking.
 
         Over every rank even when rounds run between nodes: a node's processes compute their
         statistics on different data, so they differ inside a node too."""
         buffers = self.layout.buffers
         world = self._world()
-        if not buffers or world == 1:
+        if not buffers or (world == 1 and self.coordinator is None):
             return
         flat = torch.cat([b.reshape(-1).to(torch.float32) for b in buffers])
-        self.ledger.all_reduce(flat, group=self.buffer_group, scope=self.scope, sync=sync)
-        flat.div_(world)
+        if world > 1:
+            self.ledger.all_reduce(flat, group=self.buffer_group, scope=self.scope, sync=sync)
+            flat.div_(world)
+        if self.coordinator is not None:  # then over the replica groups of the round
+            self.coordinator.mean(flat, sync)
         pos = 0
         for b in buffers:
             b.copy_(flat[pos:pos + b.numel()].view_as(b))

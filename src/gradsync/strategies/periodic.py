@@ -500,6 +500,11 @@ class _JoinedRound:
         self.open = False
         return self.replicas.commit()
 
+    def mean(self, tensor: torch.Tensor, sync: Any) -> None:
+        self.replicas.allreduce_mean(tensor)
+        self.replicas.ledger.record("all_reduce", tensor.numel() * tensor.element_size(),
+                                    group_size=self.replicas.wire_size(), sync=sync)
+
 
 class _FinalRound(Callback):
     """Runs the strategy's final round at the start of on_train_end, before every other callback."""
