@@ -13,7 +13,8 @@ import time
 import cli_process
 import pytest
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180),
+              pytest.mark.skipif(bool(os.environ.get("GRADSYNC_TESTS_NO_FORKSERVER")), reason="the fork server is off")]
 
 FORKED = "import sys; print('forked' if 'lightning' in sys.modules else 'fresh', flush=True)\n"
 
