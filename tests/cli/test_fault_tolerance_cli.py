@@ -36,8 +36,8 @@ def _cmd(*args):
     return [sys.executable, "-m", "gradsync.cli.main", *args]
 
 
-def _start_lighthouse(tmp_path, min_replicas):
-    """``gradsync lighthouse`` on a free port; its process and address."""
+def _lighthouse(tmp_path, min_replicas):
+    """``gradsync lighthouse`` on a free port, for the test: its address."""
     address_file = tmp_path / "lighthouse"
     proc = cli_process.popen(_cmd("lighthouse", "--min-replicas", str(min_replicas), "--port", "0", "--address-file",
                                   str(address_file)), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -47,25 +47,21 @@ def _start_lighthouse(tmp_path, min_replicas):
         assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "no address"
         time.sleep(0.1)
     port = address_file.read_text().strip().rsplit(":", 1)[1]
-    return proc, f"http://127.0.0.1:{port}"
+    yield f"http://127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(10)
 
 
 @pytest.fixture
 def lighthouse(tmp_path):
     """A lighthouse whose first quorum waits for all three groups: they start together at step 0."""
-    proc, address = _start_lighthouse(tmp_path, 3)
-    yield address
-    proc.terminate()
-    proc.wait(10)
+    yield from _lighthouse(tmp_path, 3)
 
 
 @pytest.fixture
 def lighthouse_of_two(tmp_path):
     """A lighthouse that forms a quorum of two: the others go on when one of three groups is down."""
-    proc, address = _start_lighthouse(tmp_path, 2)
-    yield address
-    proc.terminate()
-    proc.wait(10)
+    yield from _lighthouse(tmp_path, 2)
 
 
 DIGITS = ("ft_probe.PacedDigits", "gradsync.recipes.digits.DigitsData")
