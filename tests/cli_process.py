@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -45,15 +46,16 @@ def _start() -> None:
         if _server.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError("the tests' fork server did not start")
         time.sleep(0.01)
-    atexit.register(_stop, _server)
+    atexit.register(_stop, _server, _folder)
 
 
-def _stop(server: subprocess.Popen) -> None:
+def _stop(server: subprocess.Popen, folder: str) -> None:
     server.terminate()
     try:
         server.wait(10)
     except subprocess.TimeoutExpired:
         server.kill()
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def python() -> str:
