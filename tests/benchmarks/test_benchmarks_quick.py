@@ -79,12 +79,15 @@ def test_slowlink(tmp_path):
 def test_lowcomm(tmp_path):
     from benchmarks import lowcomm
 
-    rep = lowcomm.run(tmp_path, quick=True)
+    # 2 Mbit/s: sync waits on the link for most of each step even with the quick run's small model, so
+    # its utilization is far from a run that communicates every 4th step (at 10 Mbit/s the two were
+    # within this machine's noise)
+    rep = lowcomm.run(tmp_path, quick=True, rate="2mbit")
     if lowcomm.slowlink.available():
         assert "not run" in rep.notes[0]
         return
     data = _check(tmp_path, "lowcomm")
-    assert 5 < data["data"]["measured_mbit"] < 15   # the 10 Mbit/s shaping took effect
+    assert 1 < data["data"]["measured_mbit"] < 3   # the 2 Mbit/s shaping took effect
     rows = {r[0]: dict(zip(data["columns"], r)) for r in data["rows"]}
     assert list(rows) == ["sync", "diloco H=100 int8"]  # (H=4 in the quick run)
     diloco, sync = rows["diloco H=100 int8"], rows["sync"]
@@ -93,11 +96,12 @@ def test_lowcomm(tmp_path):
     assert diloco["bytes / step vs sync"] == pytest.approx(4 * 3.97, rel=0.05)
     assert sync["peak KB / sync"] > 3.9 * diloco["peak KB / sync"]
     # the reference is the same 2-node job with no communication, timed the same way (40 steps between
-    # the first and last validation): a utilization is a fraction, and sync, waiting on the link every
-    # step, is well below a run that communicates every 4th step.
+    # the first and last validation); sync, waiting on the link every step, is far below a run that
+    # communicates every 4th step (measured here: 0.16-0.22 against 0.94-1.12; a run can time faster
+    # than its reference on a noisy machine, so a utilization near 1 is not bounded by it)
     util = {k: r["utilization"] for k, r in rows.items()}
-    assert all(0 < u <= 1 for u in util.values()), util
-    assert util["sync"] < 0.8 and util["sync"] < util["diloco H=100 int8"], util
+    assert all(u > 0 for u in util.values()), util
+    assert util["sync"] < 0.5 < util["diloco H=100 int8"], util
 
 
 def test_nodes(tmp_path):
