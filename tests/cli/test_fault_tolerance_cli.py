@@ -90,8 +90,9 @@ def _weights(run_dir):
 
 def test_a_killed_group_drops_out_rejoins_heals_and_ends_identical(tmp_path, lighthouse_of_two):
     lighthouse = lighthouse_of_two
-    steps, back = 40, tmp_path / "group2-is-back"
-    # the survivors train on after group 2 dies, and hold at step 20 until the restarted group has started
+    steps, back = 60, tmp_path / "group2-is-back"
+    # the survivors train on after group 2 dies, and hold at step 20 until the restarted group has started;
+    # the 40 steps after it leave the restarted group ample time to join one of their rounds
     pace = _env(FT_STEP_SECONDS="0.05")
     hold = {**pace, "FT_HOLD_AT": "20", "FT_HOLD_FILE": str(back)}
     groups = [_group(g, lighthouse, tmp_path, "--max-steps", str(steps), env=hold) for g in (0, 1)]
@@ -288,12 +289,14 @@ def test_a_group_restarted_with_other_flags_is_refused_at_its_heal_and_the_other
                                                                                        lighthouse_of_two):
     lighthouse = lighthouse_of_two
     back = tmp_path / "group2-is-back"
+    # the survivors hold at step 8 until the restarted group has started, then have 52 steps (13 rounds)
+    # in which it joins one of their rounds, heals and is refused
     hold = _env(FT_STEP_SECONDS="0.05", FT_HOLD_AT="8", FT_HOLD_FILE=str(back))
-    groups = [_group(g, lighthouse, tmp_path, "--max-steps", "20", env=hold) for g in (0, 1)]
-    victim = _group(2, lighthouse, tmp_path, "--max-steps", "20", env=_env(FT_DIE_AT="6"))
+    groups = [_group(g, lighthouse, tmp_path, "--max-steps", "60", env=hold) for g in (0, 1)]
+    victim = _group(2, lighthouse, tmp_path, "--max-steps", "60", env=_env(FT_DIE_AT="6"))
     out, _ = victim.communicate(timeout=200)
     assert victim.returncode == -9, out[-3000:]
-    wrong = _group(2, lighthouse, tmp_path, "--max-steps", "20", "--strategy.outer_lr", "0.5",
+    wrong = _group(2, lighthouse, tmp_path, "--max-steps", "60", "--strategy.outer_lr", "0.5",
                    env=_env(FT_STARTED_FILE=str(back)))
     out, _ = wrong.communicate(timeout=200)
     assert wrong.returncode == 2, out[-3000:]
@@ -303,5 +306,5 @@ def test_a_group_restarted_with_other_flags_is_refused_at_its_heal_and_the_other
         assert p.returncode == 0, log[-3000:]
     summaries = [json.loads((tmp_path / f"group{g}" / "summary.json").read_text()) for g in (0, 1)]
     for s in summaries:
-        assert s["global_step"] == 20
+        assert s["global_step"] == 60
         assert s["strategy_stats"]["fault_tolerance"]["participants"]["last"] == 2
