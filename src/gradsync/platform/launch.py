@@ -246,17 +246,7 @@ def _strip_launch_flags(argv: Sequence[str]) -> list[str]:
     drop_with_value = {"--devices", "--nnodes", "--num-nodes", "--num_nodes", "--node-rank", "--node_rank",
                        "--master-addr", "--master_addr", "--master-port", "--master_port", "--rdzv-backend",
                        "--rdzv_backend", "--rdzv-id", "--rdzv_id", "--max-restarts", "--max_restarts"}
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        key = a.split("=", 1)[0]
-        if key in drop_with_value:
-            skip = "=" not in a
-            continue
-        out.append(a)
-    return out
+    return _without(argv, drop_with_value)[0]
 
 
 #: The last line of torchrun's own traceback when this node's peers never joined the rendezvous.
