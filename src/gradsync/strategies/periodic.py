@@ -30,7 +30,8 @@ from gradsync.comm.hierarchical import INTER, INTRA, NodeReducer
 from gradsync.comm.reducer import Reducer
 from gradsync.errors import GradsyncError, check, spell
 from gradsync.strategies.base import GradsyncStrategy
-from gradsync.strategies.lightning_private import batches_that_stepped, ddp_kwargs, set_batches_that_stepped
+from gradsync.strategies.lightning_private import ddp_kwargs
+from gradsync.strategies.replicas import ReplicaGroupMember
 from gradsync.strategies.sharding import Shard, ShardDtype
 
 Scope = Literal["world", "node"]
@@ -65,7 +66,7 @@ def local_or_warmup_hook(state: PeriodicHookState, bucket: dist.GradBucket) -> t
     return local_hook(state, bucket)
 
 
-class PeriodicAveragingStrategy(GradsyncStrategy):
+class PeriodicAveragingStrategy(ReplicaGroupMember, GradsyncStrategy):
     """Base of strategies that train locally and average every ``period`` optimizer steps.
 
     Subclasses say what a round sends and makes of the mean (:meth:`build_payload`).
@@ -163,9 +164,6 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
         self._algorithm: Optional[PeriodicAveraging] = None
         self._round_reducer: Optional[Reducer] = None
         self._restored_optimizer_states: Optional[list] = None
-        self.fault_tolerance: Optional[Any] = None  # gradsync.comm.managed.FaultToleranceConfig
-        self._ft_fingerprint: Optional[dict[str, str]] = None
-        self.replicas: Optional[Any] = None  # gradsync.comm.managed.ReplicaGroup, while training
 
     def _configure_streaming(self, fragments: int = 1, sync_delay: int = 0, fragment_alpha: float = 0.0) -> None:
         """Set and validate the schedule (subclasses with streaming options pass them here)."""
@@ -280,15 +278,8 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
             self._join_replica_groups()
 
     # ---- fault-tolerant replica groups (torchft) -----------------------------------------------
-    def enable_fault_tolerance(self, config: Any, fingerprint: Optional[dict[str, str]] = None) -> None:
-        """Train as one of ``config.replica_groups`` fault-tolerant replica groups (``--fault-tolerance
-        torchft``): a quorum before every round, healing from a live group when this one rejoins.
-        ``fingerprint`` (field -> digest of the run's configuration) must be the same on every group:
-        groups that start together compare it before their first step, a healing group with the group it
-        heals from, and any field that differs stops the group(s) in one line naming it."""
-        from gradsync.comm.managed import import_torchft
-
-        unsupported = [
+    def _unsupported_across_groups(self) -> list:
+        return [
             (self.codec != "identity", "codec", self.codec, "identity"),
             (self.fragments != 1, "fragments", self.fragments, 1),
             (self.sync_delay != 0, "sync_delay", self.sync_delay, 0),
@@ -296,32 +287,13 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
             (self.warmup_steps != 0, "warmup_steps", self.warmup_steps, 0),
             (self.scope != "world", "scope", self.scope, "world"),
         ]
-        for bad, option, value, fix in unsupported:
-            if bad:
-                raise GradsyncError(f"--fault-tolerance torchft: {spell(option, value)} is not supported across "
-                                    f"replica groups yet; use {spell(option, fix)}")
-        import_torchft()
-        self.fault_tolerance = config
-        self._ft_fingerprint = fingerprint
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict:
-        kwargs = dict(super().distributed_sampler_kwargs)
-        ft = self.fault_tolerance
-        if ft is not None:  # replica group g holds ranks g*W .. g*W+W-1 of the data across all groups
-            kwargs["rank"] = ft.replica_group * kwargs["num_replicas"] + kwargs["rank"]
-            kwargs["num_replicas"] *= ft.replica_groups
-        return kwargs
 
     def _join_replica_groups(self) -> None:
         """Join the quorum before the first step. A group behind the others (restarted after a failure)
         takes part in the round they are in — sending nothing — and takes a live group's state at its
         commit; groups that start together agree on step 0 and go on."""
-        from gradsync.comm.managed import ReplicaGroup
-
         algorithm = self.algorithm
-        self.replicas = ReplicaGroup(self.fault_tolerance, state_dict=self._heal_state, load_state_dict=self._heal,
-                                     ledger=self.ledger)
+        self.replicas = self._new_replica_group()
         self._round_reducer = None
         algorithm.coordinator = _JoinedRound(self.replicas)
         algorithm.logical_world = self.world_size * self.fault_tolerance.replica_groups
@@ -336,46 +308,12 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
                 self._refuse_mismatch(self.replicas.disagreeing(self._ft_fingerprint), "the groups of this quorum")
             algorithm.coordinator.commit()
 
-    def _refuse_mismatch(self, fields: list[str], between: str) -> None:
-        if fields:
-            raise GradsyncError(f"replica groups were started with different configurations: {', '.join(fields)} "
-                                f"differ ({between}); start every group with the same flags and code")
-
-    def _heal_state(self) -> dict:
-        """What a healing group receives from this one: the model, the optimizer and scheduler states, the
-        algorithm's shared state and the step counters."""
-        trainer = self.lightning_module.trainer
+    def _shared_algorithm_state(self) -> dict:
         registry = self.algorithm.registry
-        shared = {name: e.get() for name, e in registry.entries.items()
-                  if e.kind == "replicated" and name != "pending"}
-        loop = trainer.fit_loop.epoch_loop
-        progress = loop.automatic_optimization.optim_progress.optimizer.step.total
-        # A round runs inside an optimizer step, which Lightning counts as completed only once it returns:
-        # the healing group takes the step as done (its own count then follows the algorithm's).
-        in_step = progress.ready - progress.completed
-        return {"module": self.lightning_module.state_dict(), "optimizers": [o.state_dict() for o in self.optimizers],
-                "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
-                "algorithm": shared, "global_step": progress.ready,
-                "batches_that_stepped": batches_that_stepped(trainer) + in_step, "config": self._ft_fingerprint}
+        return {name: e.get() for name, e in registry.entries.items() if e.kind == "replicated" and name != "pending"}
 
-    def _heal(self, state: dict) -> None:
-        mine, theirs = self._ft_fingerprint, state.get("config")
-        if mine is not None and theirs is not None:
-            differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
-            self._refuse_mismatch(differ, "this group and the one it heals from")
-        trainer = self.lightning_module.trainer
-        before = trainer.global_step
-        self.lightning_module.load_state_dict(state["module"])
-        for optimizer, saved in zip(self.optimizers, state["optimizers"]):
-            optimizer.load_state_dict(saved)
-        for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"]):
-            config.scheduler.load_state_dict(saved)
-        self.algorithm.registry.load_state_dict(state["algorithm"])
-        loop = trainer.fit_loop.epoch_loop
-        progress = loop.automatic_optimization.optim_progress.optimizer.step.total
-        progress.ready = progress.completed = int(state["global_step"])
-        set_batches_that_stepped(trainer, state["batches_that_stepped"])
-        self.replicas.telemetry.steps_healed_over += int(state["global_step"]) - before
+    def _load_shared_algorithm_state(self, state: dict) -> None:
+        self.algorithm.registry.load_state_dict(state)
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         algorithm = self.algorithm
@@ -399,8 +337,7 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
         # Normal ends have flushed in on_train_end; after an error, drop what is in flight.
         if self._algorithm is not None:
             self._algorithm.drop_in_flight()
-        if self.replicas is not None:
-            self.replicas.shutdown()
+        self._leave_replica_groups()
         super().teardown()
 
     # ---- algorithm state -----------------------------------------------------------------------
@@ -459,11 +396,7 @@ class PeriodicAveragingStrategy(GradsyncStrategy):
         return {"ledger": parts[0].get("ledger", {}), **out.state}
 
     def run_stats(self) -> dict:
-        stats = self.algorithm.stats()
-        if self.fault_tolerance is not None:
-            stats["fault_tolerance"] = {**self.fault_tolerance.describe(),
-                                        **(self.replicas.telemetry.summary() if self.replicas is not None else {})}
-        return stats
+        return {**self.algorithm.stats(), **self._replica_group_stats()}
 
 
 #: Algorithm state shaped like this process's shards: it cannot follow a change of processes per node.
