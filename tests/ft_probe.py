@@ -6,6 +6,10 @@
   180 s) until the file exists;
 * ``$FT_STARTED_FILE``: create this file when training starts.
 
+``GradientDigits`` also writes, when ``$FT_GRADS_DIR`` is set, ``step<N>.pt`` there for every step: this
+group's own gradient of the step's loss (taken from the same graph before backward, so before any
+all-reduce) and the gradient the optimizer is about to apply (None when the step was dropped).
+
 So a test can kill a group mid-period and keep the others training until the restarted one is back,
 however slow the machine is to start a process.
 """
@@ -14,6 +18,8 @@ import os
 import signal
 import time
 from pathlib import Path
+
+import torch
 
 from gradsync.recipes import DigitsClassifier
 
@@ -35,3 +41,20 @@ class PacedDigits(DigitsClassifier):
             while not Path(os.environ["FT_HOLD_FILE"]).exists() and time.monotonic() < deadline:
                 time.sleep(0.05)
         time.sleep(float(os.environ.get("FT_STEP_SECONDS", "0")))
+
+
+class GradientDigits(PacedDigits):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if os.environ.get("FT_GRADS_DIR"):
+            params = [p for p in self.parameters() if p.requires_grad]
+            self._own = [g.detach().clone() for g in torch.autograd.grad(loss, params, retain_graph=True)]
+        return loss
+
+    def on_before_optimizer_step(self, optimizer):
+        super().on_before_optimizer_step(optimizer)
+        if os.environ.get("FT_GRADS_DIR"):
+            params = [p for p in self.parameters() if p.requires_grad]
+            applied = None if any(p.grad is None for p in params) else [p.grad.detach().clone() for p in params]
+            torch.save({"own": self._own, "applied": applied},
+                       Path(os.environ["FT_GRADS_DIR"]) / f"step{self.trainer.global_step}.pt")

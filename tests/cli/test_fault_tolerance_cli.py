@@ -23,6 +23,7 @@ pytestmark = pytest.mark.timeout(300)
 
 TESTS = Path(__file__).resolve().parents[1]
 DILOCO = ["--strategy", "diloco", "--strategy.period", "4", "--accelerator", "cpu", "--devices", "1"]
+SYNC = ["--strategy", "sync", "--accelerator", "cpu", "--devices", "1"]
 TIMEOUT = ["--timeout", "60"]  # a group left waiting for a quorum fails within a minute
 
 
@@ -68,9 +69,9 @@ DIGITS = ("ft_probe.PacedDigits", "gradsync.recipes.digits.DigitsData")
 BATCHNORM = ("ecosystem_modules.BatchNormNet", "ecosystem_modules.RandomData")  # floating buffers
 
 
-def _group(index, lighthouse, out, *extra, env=None, model=DIGITS):
+def _group(index, lighthouse, out, *extra, env=None, model=DIGITS, strategy=DILOCO):
     return cli_process.popen(
-        _cmd("fit", "--model", model[0], "--data", model[1], *DILOCO,
+        _cmd("fit", "--model", model[0], "--data", model[1], *strategy,
              "--fault-tolerance", "torchft", "--lighthouse", lighthouse, "--replica-group", str(index),
              "--replica-groups", "3", *TIMEOUT, "--output-dir", str(out / f"group{index}"), *extra),
         env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -138,16 +139,70 @@ def test_a_killed_group_drops_out_rejoins_heals_and_ends_identical(tmp_path, lig
         assert p["num_steps"] == parts[0]["num_steps"] and p["outer_steps"] == parts[0]["outer_steps"]
 
 
+GRADIENTS = ("ft_probe.GradientDigits", "gradsync.recipes.digits.DigitsData")
+
+
+def test_sync_a_killed_group_drops_out_of_the_steps_average_and_heals_into_a_step(tmp_path, lighthouse_of_two):
+    """``sync`` forms a quorum every step (torchft's FT-DDP): while group 2 is down, each step's gradient is the
+    mean of the two live groups' own gradients, checked by hand against what each group computed; the
+    restarted group heals inside a step of theirs and ends with the same model."""
+    lighthouse, steps, back = lighthouse_of_two, 60, tmp_path / "group2-is-back"
+    pace = _env(FT_STEP_SECONDS="0.05")
+    grads = [tmp_path / f"grads{g}" for g in (0, 1)]
+    survivors = []
+    for g in (0, 1):
+        grads[g].mkdir()
+        env = {**pace, "FT_HOLD_AT": "20", "FT_HOLD_FILE": str(back), "FT_GRADS_DIR": str(grads[g])}
+        survivors.append(_group(g, lighthouse, tmp_path, "--max-steps", str(steps), env=env, model=GRADIENTS,
+                                strategy=SYNC))
+    victim = _group(2, lighthouse, tmp_path, "--max-steps", str(steps), env={**pace, "FT_DIE_AT": "10"},
+                    model=GRADIENTS, strategy=SYNC)
+    out, _ = victim.communicate(timeout=200)
+    assert victim.returncode == -9, out[-3000:]
+    _wait_for(Path(str(back) + ".waiting"), survivors)
+    restarted = _group(2, lighthouse, tmp_path, "--max-steps", str(steps), env={**pace, "FT_STARTED_FILE": str(back)},
+                       model=GRADIENTS, strategy=SYNC)
+    logs = [p.communicate(timeout=240)[0] for p in (*survivors, restarted)]
+    for p, log in zip((*survivors, restarted), logs):
+        assert p.returncode == 0, log[-3000:]
+
+    summaries = [json.loads((tmp_path / f"group{g}" / "summary.json").read_text()) for g in range(3)]
+    ft = [s["strategy_stats"]["fault_tolerance"] for s in summaries]
+    assert all(s["global_step"] == steps for s in summaries)
+    per_step = ft[0]["participants"]["per_round"]
+    assert len(per_step) == steps - ft[0]["steps_healed_over"]  # one quorum per step this group ran
+    # the steps the survivors took without group 2: their gradient was the mean of theirs alone, exactly
+    # (each divides by two, an exact operation, before the sum)
+    checked = 0
+    for step, n in enumerate(per_step):
+        if n != 2 or step < 10:
+            continue
+        saved = [torch.load(d / f"step{step}.pt", weights_only=True) for d in grads]
+        assert all(s["applied"] is not None for s in saved), step
+        by_hand = [(a + b) / 2 for a, b in zip(saved[0]["own"], saved[1]["own"])]
+        for s in saved:
+            assert all(torch.equal(x, y) for x, y in zip(s["applied"], by_hand)), f"step {step}"
+        checked += 1
+    assert checked >= 10 and per_step[-1] == 3, per_step
+    assert ft[0]["failures_seen"] >= 1
+    healed = ft[2]
+    assert healed["heals"] == 1 and healed["heal_bytes"] > 0 and healed["steps_healed_over"] >= 20, healed
+    assert summaries[2]["comm"]["other"]["heal"]["wire_bytes"] == healed["heal_bytes"]
+    weights = [_weights(tmp_path / f"group{g}") for g in range(3)]
+    for w in weights[1:]:
+        assert all(torch.equal(w[k], weights[0][k]) for k in weights[0])
+
+
 # (local_sgd runs the same rounds: exact, tested by hand over 12 steps)
-@pytest.mark.parametrize("strategy, model", [("diloco", DIGITS), ("diloco", BATCHNORM)], ids=["digits", "batchnorm"])
+@pytest.mark.parametrize("strategy, model", [(DILOCO, DIGITS), (DILOCO, BATCHNORM), (SYNC, DIGITS)],
+                         ids=["diloco-digits", "diloco-batchnorm", "sync-digits"])
 def test_without_a_failure_three_groups_train_exactly_as_one_three_process_job(tmp_path, lighthouse, strategy, model):
     """The groups split the data as the job's ranks do and average over the quorum's process group as the
-    job does over its own (the parameters, and BatchNorm's statistics with them): the same model, bit for bit."""
-    groups = [_group(g, lighthouse, tmp_path, "--max-steps", "12", "--strategy", strategy, model=model)
-              for g in range(3)]
+    job does over its own (the parameters, and BatchNorm's statistics with them): the same model, bit for bit.
+    ``sync`` forms a quorum every step, ``diloco`` every round."""
+    groups = [_group(g, lighthouse, tmp_path, "--max-steps", "12", model=model, strategy=strategy) for g in range(3)]
     plain = cli_process.run(_cmd("fit", "--model", model[0], "--data", model[1],
-                                 *DILOCO[:-1], "3", "--strategy", strategy, "--max-steps", "12",
-                                 "--output-dir", str(tmp_path / "plain")),
+                                 *strategy[:-1], "3", "--max-steps", "12", "--output-dir", str(tmp_path / "plain")),
                             env=_env(), capture_output=True, text=True, timeout=200)
     assert plain.returncode == 0, plain.stderr[-3000:]
     for p in groups:
@@ -158,7 +213,8 @@ def test_without_a_failure_three_groups_train_exactly_as_one_three_process_job(t
         w = _weights(tmp_path / f"group{g}")
         assert all(torch.equal(w[k], reference[k]) for k in reference), f"group {g} differs from the job"
     summary = json.loads((tmp_path / "group0" / "summary.json").read_text())
-    assert summary["strategy_stats"]["fault_tolerance"]["participants"]["per_round"] == [3] * 4  # join + 3 rounds
+    quorums = 12 if strategy is SYNC else 4  # one per step, or the join and 3 rounds
+    assert summary["strategy_stats"]["fault_tolerance"]["participants"]["per_round"] == [3] * quorums
 
 
 def test_a_group_alone_at_the_lighthouse_fails_in_one_line_after_the_timeout(tmp_path, lighthouse):
@@ -183,8 +239,10 @@ def test_an_unreachable_lighthouse_fails_in_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--strategy", "sync"], "--fault-tolerance torchft runs local_sgd and diloco (a quorum per round); --strategy sync "
-                             "does not support it yet"),
+    (["--strategy", "compressed"], "--fault-tolerance torchft runs sync (a quorum per step), local_sgd and diloco (a "
+                                   "quorum per round); --strategy compressed does not support it yet"),
+    (["--strategy", "sync", "--strategy.shard", "node"], "--fault-tolerance torchft: --strategy.shard node is not "
+                                                         "supported across replica groups yet; use --strategy.shard none"),
     (["--strategy", "diloco", "--strategy.codec", "int8"],
      "--fault-tolerance torchft: --strategy.codec int8 is not supported across replica groups yet; use "
      "--strategy.codec identity"),

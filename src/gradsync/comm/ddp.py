@@ -138,6 +138,62 @@ def reducer_hook(state: ReducerHookState, bucket: dist.GradBucket) -> torch.futu
     return fut
 
 
+@dataclass
+class WholeStepState:
+    """State of :func:`whole_step_hook`: the reducer, the parameters' names, the step count's owner."""
+
+    reducer: Reducer
+    param_names: dict = field(default_factory=dict, repr=False)
+    #: the owner of the step count (an object with ``num_steps``), read for the ledger's sync id
+    steps: Any = field(default=None, repr=False)
+    #: True while this process joins the others' step behind them (a replica group healing into it)
+    behind: Any = field(default=None, repr=False)
+    #: names of the parameters in the order their gradients became ready in this backward
+    ready: list = field(default_factory=list, repr=False)
+    #: the buckets of this step that wait for its last one
+    pending: list = field(default_factory=list, repr=False)
+
+    def bind(self, named_parameters: Iterable) -> "WholeStepState":
+        named_parameters = list(named_parameters)
+        self.param_names = name_parameters(named_parameters)
+        for name, p in named_parameters:
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda _, name=name: self.ready.append(name))
+        return self
+
+
+def whole_step_hook(state: WholeStepState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average a step's gradients through ``state.reducer`` in one reduction, once the last bucket is ready.
+
+    The message is the buckets' buffers in DDP's order, which is the order of DDP's own all-reduce:
+    averaged over one bucket's worth of processes, the result is DDP's to the bit. DDP lays its
+    buckets out in the model's order for the first backward of a process and in the order the
+    gradients became ready in it ever after; a process whose first backward joins others past theirs
+    (``state.behind()``: a replica group healing into the others' step) lays its message out in that
+    ready order, so that every process reads back the same entries.
+    """
+    fut: torch.futures.Future = torch.futures.Future()
+    state.pending.append((bucket.buffer(), bucket_layout(bucket, state.param_names), fut))
+    if not bucket.is_last():
+        return fut
+    waiting, state.pending = state.pending, []
+    ready = {name: i for i, name in enumerate(state.ready)} if state.behind is not None and state.behind() else None
+    entries = sorted(((ready[name] if ready is not None else (b, offset), name, view)
+                      for b, (buffer, layout, _) in enumerate(waiting)
+                      for (name, _), offset, view in zip(layout.keys, layout.offsets, layout.views(buffer))),
+                     key=lambda e: e[0])
+    step = state.steps.num_steps if state.steps is not None else 0
+    reducer = state.reducer
+    reducer.ledger.add_logical(fp32_allreduce_bytes(sum(e[2].numel() for e in entries), reducer.world_size()),
+                               scope=reducer.logical_scope)
+    done = reducer.reduce([e[2] for e in entries], names=[e[1] for e in entries], sync=("step", step))
+    for (_, _, view), mean in zip(entries, done.wait()):
+        view.copy_(mean)
+    for buffer, _, bucket_done in waiting:
+        bucket_done.set_result(buffer)
+    return fut
+
+
 # ---- the hooks of sync and of local steps ---------------------------------------------------------
 @dataclass
 class AllReduceState:

@@ -96,6 +96,7 @@ class Telemetry:
     heal_seconds: float = 0.0
     heal_bytes: int = 0
     steps_healed_over: int = 0  # steps this group took over from a peer when it healed
+    uncommitted: int = 0  # rounds / steps this group dropped because a group failed during them
     started_at: float = field(default_factory=time.monotonic)
 
     def summary(self) -> dict:
@@ -105,7 +106,7 @@ class Telemetry:
                                  "last": parts[-1] if parts else None, "per_round": list(parts)},
                 "failures_seen": self.failures_seen, "heals": self.heals,
                 "heal_seconds": round(self.heal_seconds, 3), "heal_bytes": self.heal_bytes,
-                "steps_healed_over": self.steps_healed_over}
+                "steps_healed_over": self.steps_healed_over, "uncommitted": self.uncommitted}
 
 
 def _tensor_bytes(obj: Any) -> int:
@@ -185,6 +186,12 @@ class ReplicaGroup:
         return not self.manager.is_participating()
 
     @property
+    def step(self) -> int:
+        """Steps (rounds) committed by the groups of this quorum, as torchft counts them (a healing group
+        is behind it until its commit)."""
+        return int(self.manager.current_step())
+
+    @property
     def participants(self) -> int:
         """Groups whose contribution this round's mean is taken over (a healing group's is not)."""
         return self.manager.num_participants()
@@ -195,6 +202,8 @@ class ReplicaGroup:
         ok = self.manager.should_commit()
         if ok:
             self.telemetry.committed += 1
+        else:
+            self.telemetry.uncommitted += 1
         return ok
 
     def _load(self, state: dict) -> None:
@@ -210,6 +219,14 @@ class ReplicaGroup:
     def allreduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` replaced by its mean over the quorum's participants (zeros sent while healing)."""
         work = self.manager.allreduce(tensor)
+        work.wait()
+        return tensor
+
+    def allreduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` replaced by its sum over the quorum's participants (zeros sent while healing)."""
+        from torch.distributed import ReduceOp
+
+        work = self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM)
         work.wait()
         return tensor
 
@@ -256,14 +273,16 @@ class ManagedReducer(Reducer):
     """``identity`` over the replica groups of a quorum: the exact mean, one all-reduce per dtype.
 
     The sum over the quorum's process group, divided by the participants (torchft's average): a
-    healing group sends zeros and is not counted.
+    healing group sends zeros and is not counted. ``divide_first``: each group divides by the
+    participants and the quorum sums, as DDP's own gradient all-reduce does (``sync``'s mean).
     """
 
     codec = "identity"
 
-    def __init__(self, group: ReplicaGroup, *, ledger: Optional[CommLedger] = None, scope: str = "world") -> None:
+    def __init__(self, group: ReplicaGroup, *, ledger: Optional[CommLedger] = None, scope: str = "world",
+                 divide_first: bool = False) -> None:
         super().__init__(ledger=ledger, scope=scope)
-        self.replicas = group
+        self.replicas, self.divide_first = group, divide_first
 
     def reduce(self, tensors: Sequence[torch.Tensor], *, names: Optional[Sequence[str]] = None,
                sync: Optional[Hashable] = None) -> torch.futures.Future:
@@ -272,7 +291,10 @@ class ManagedReducer(Reducer):
         t0 = time.perf_counter()
         for _, idx in split_by_dtype(tensors).items():  # as IdentityReducer: one all-reduce per dtype
             flat = torch.cat([tensors[i].detach().reshape(-1) for i in idx])
-            self.replicas.allreduce_mean(flat)
+            if self.divide_first:
+                self.replicas.allreduce_sum(flat.mul_(1.0 / self.replicas.participants))
+            else:
+                self.replicas.allreduce_mean(flat)
             self.ledger.record("all_reduce", flat.numel() * flat.element_size(), group_size=self.replicas.wire_size(),
                                scope=self.scope, sync=sync, seconds=time.perf_counter() - t0)
             unflatten_into(means, flat, tensors, idx)

@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
-from gradsync.comm.ddp import AllReduceState, allreduce_hook, allreduce_sum_hook, record_builtin_allreduce
+from gradsync.comm.ddp import (AllReduceState, WholeStepState, allreduce_hook, allreduce_sum_hook,
+                               record_builtin_allreduce, whole_step_hook)
 from gradsync.comm.reducer import Reducer
 from gradsync.errors import check
 from gradsync.strategies.base import GradsyncStrategy
+from gradsync.strategies.replicas import ReplicaGroupMember
 from gradsync.strategies.sharding import Shard, ShardDtype
 
 __all__ = ["AllReduceState", "SyncStrategy", "allreduce_hook", "allreduce_sum_hook"]
 
 
-class SyncStrategy(GradsyncStrategy):
+class SyncStrategy(ReplicaGroupMember, GradsyncStrategy):
     """Synchronous data parallel: every step all ranks apply the mean of all ranks' gradients.
 
     The reduction is DDP's own (C++, bucketed, overlapped with backward), with no Python hook, so
@@ -56,6 +58,8 @@ class SyncStrategy(GradsyncStrategy):
     _mean_in_loss = False
 
     def build_comm_hook(self) -> Optional[tuple[Any, Any]]:
+        if self.fault_tolerance is not None:
+            return self._managed_hook()
         if self.time_comm:
             self._mean_in_loss = True
             return AllReduceState(ledger=self.ledger), allreduce_sum_hook
@@ -70,7 +74,8 @@ class SyncStrategy(GradsyncStrategy):
             closure_loss = closure_loss / self.world_size
         ddp = self.model if isinstance(self.model, torch.nn.parallel.DistributedDataParallel) else None
         # DDP all-reduces in this backward unless Lightning's no_sync holds it (accumulated micro-batches)
-        synced = not self._mean_in_loss and ddp is not None and ddp.require_backward_grad_sync and self.world_size > 1
+        synced = (not self._mean_in_loss and self.fault_tolerance is None and ddp is not None
+                  and ddp.require_backward_grad_sync and self.world_size > 1)
         out = super().backward(closure_loss, optimizer, *args, **kwargs)
         if synced:
             record_builtin_allreduce(self.ledger, ddp, self._synced_steps)
@@ -78,3 +83,60 @@ class SyncStrategy(GradsyncStrategy):
         return out
 
     _synced_steps = 0
+
+    # ---- fault-tolerant replica groups (torchft's FT-DDP: a quorum per optimizer step) -------------
+    def _unsupported_across_groups(self) -> list:
+        return [(self.sharded, "shard", self.shard, "none")]
+
+    def _managed_hook(self) -> tuple[Any, Callable]:
+        """Each step's gradients, averaged over the groups of the step's quorum in one all-reduce (the
+        group forms it in :meth:`optimizer_step` before backward; DDP calls this hook during backward)."""
+        from gradsync.comm.managed import ManagedReducer
+
+        self.ledger.timed = True
+        self._steps = _StepCount()
+        self.replicas = self._new_replica_group()
+        reducer = ManagedReducer(self.replicas, ledger=self.ledger, divide_first=True)
+        state = WholeStepState(reducer, steps=self._steps, behind=lambda: self.replicas.healing)
+        self._hook_state = state.bind(self.lightning_module.named_parameters())
+        return state, whole_step_hook
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if self.replicas is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        replicas = self.replicas
+        replicas.begin_round()  # this step's quorum; a group behind the others fetches a live one's state
+        if replicas.step == 0 and not replicas.healing and self._ft_fingerprint is not None:  # groups that start together agree on the run first
+            self._refuse_mismatch(replicas.disagreeing(self._ft_fingerprint), "the groups of this quorum")
+
+        def managed_closure() -> Any:
+            result = closure()  # backward: whole_step_hook averages the gradients over the quorum
+            if not replicas.commit():  # (a healing group loads the live group's state here)
+                # a group failed during the step: every gradient may be partial; the step changes nothing
+                optimizer.zero_grad(set_to_none=True)
+            return result
+
+        self._hook_state.ready.clear()  # (the order of this step's last backward; accumulated ones came before)
+        try:
+            return super().optimizer_step(optimizer, managed_closure, model, **kwargs)
+        finally:
+            self._steps.num_steps += 1
+
+    def _shared_algorithm_state(self) -> Any:
+        return {"num_steps": self._steps.num_steps}
+
+    def _load_shared_algorithm_state(self, state: Any) -> None:
+        self._steps.num_steps = int(state["num_steps"])
+
+    def teardown(self) -> None:
+        self._leave_replica_groups()
+        super().teardown()
+
+    def run_stats(self) -> dict:
+        return {**super().run_stats(), **self._replica_group_stats()}
+
+
+class _StepCount:
+    """The optimizer steps of a fault-tolerant ``sync`` group (a healing group takes over the others')."""
+
+    num_steps = 0
