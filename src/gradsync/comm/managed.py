@@ -97,6 +97,7 @@ class Telemetry:
     heal_bytes: int = 0
     steps_healed_over: int = 0  # steps this group took over from a peer when it healed
     uncommitted: int = 0  # rounds / steps this group dropped because a group failed during them
+    quorum_seconds: float = 0.0  # time spent forming quorums (and fetching a heal): where a failure costs
     started_at: float = field(default_factory=time.monotonic)
 
     def summary(self) -> dict:
@@ -106,7 +107,8 @@ class Telemetry:
                                  "last": parts[-1] if parts else None, "per_round": list(parts)},
                 "failures_seen": self.failures_seen, "heals": self.heals,
                 "heal_seconds": round(self.heal_seconds, 3), "heal_bytes": self.heal_bytes,
-                "steps_healed_over": self.steps_healed_over, "uncommitted": self.uncommitted}
+                "steps_healed_over": self.steps_healed_over, "uncommitted": self.uncommitted,
+                "quorum_seconds": round(self.quorum_seconds, 3)}
 
 
 def _tensor_bytes(obj: Any) -> int:
@@ -172,6 +174,7 @@ class ReplicaGroup:
             raise GradsyncError(f"fault tolerance: no quorum at the lighthouse {self.config.lighthouse} within "
                                 f"{self.config.quorum_timeout:g} s ({_first_line(exc)}); start it with "
                                 "`gradsync lighthouse --min-replicas N` and pass its address to --lighthouse") from None
+        self.telemetry.quorum_seconds += time.perf_counter() - t0
         if self.healing:
             self._healing_started = t0
         n = self.participants

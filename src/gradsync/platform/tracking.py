@@ -456,7 +456,7 @@ class RunTelemetry(Callback):
         if replicas is not None and replicas.telemetry.participants:
             ft = replicas.telemetry
             metrics.update({"ft/participants": float(ft.participants[-1]), "ft/failures_seen": float(ft.failures_seen),
-                            "ft/heals": float(ft.heals)})
+                            "ft/heals": float(ft.heals), "ft/quorum_seconds": float(ft.quorum_seconds)})
         self.latest = metrics
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
         self._mark(trainer)
