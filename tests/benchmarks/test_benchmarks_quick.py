@@ -173,3 +173,24 @@ def test_sharded(tmp_path):
     assert rows["sync (replicated)"]["vs replicated"] == 1
     # the sharded run's inter-node traffic is a gradient shard per process
     assert rows["sync shard node"]["inter-node MB / process"] < rows["sync (replicated)"]["inter-node MB / process"]
+
+
+def test_faults(tmp_path):
+    pytest.importorskip("torchft", reason="the ft extra (pip install gradsync[ft]) is not installed")
+    from benchmarks import faults
+
+    faults.run(tmp_path, quick=True)
+    data = _check(tmp_path, "faults")
+    rows = {r[0]: dict(zip(data["columns"], r)) for r in data["rows"]}
+    assert list(rows) == ["replica groups, no failure", "replica groups, failures (heal)", "torchrun job, no failure",
+                          "torchrun job, failures (restart)"]
+    plan = data["data"]["plan"]
+    assert plan and all(r["steps"] == 48 for r in rows.values())
+    for name in ("replica groups, failures (heal)", "torchrun job, failures (restart)"):
+        row = rows[name]
+        assert row["failures"] == len(plan) and 0 < row["goodput"] and row["recovery s (mean)"] > 0, row
+    for name in ("replica groups, no failure", "torchrun job, no failure"):
+        assert rows[name]["failures"] == 0 and rows[name]["goodput"] == 1
+    # every healed group came back once per death, and the summary counts its heal
+    ft = data["data"]["fault_tolerance"]["replica groups, failures (heal)"]
+    assert ft["participants"]["last"] == 3
