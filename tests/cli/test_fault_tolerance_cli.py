@@ -96,12 +96,14 @@ def test_a_killed_group_drops_out_rejoins_heals_and_ends_identical(tmp_path, lig
     # the 40 steps after it leave the restarted group ample time to join one of their rounds
     pace = _env(FT_STEP_SECONDS="0.05")
     hold = {**pace, "FT_HOLD_AT": "20", "FT_HOLD_FILE": str(back)}
-    groups = [_group(g, lighthouse, tmp_path, "--max-steps", str(steps), env=hold) for g in (0, 1)]
-    victim = _group(2, lighthouse, tmp_path, "--max-steps", str(steps), env={**pace, "FT_DIE_AT": "10"})
+    run = ("--max-steps", str(steps), "--checkpoint-every", "8")
+    groups = [_group(g, lighthouse, tmp_path, *run, env=hold) for g in (0, 1)]
+    victim = _group(2, lighthouse, tmp_path, *run, env={**pace, "FT_DIE_AT": "10"})
     out, _ = victim.communicate(timeout=200)
     assert victim.returncode == -9, out[-3000:]  # killed at step 10, mid-period (rounds at 4, 8, 12 ...)
     _wait_for(Path(str(back) + ".waiting"), groups)  # the survivors went on without it, up to step 20
-    restarted = _group(2, lighthouse, tmp_path, "--max-steps", str(steps), env={**pace, "FT_STARTED_FILE": str(back)})
+    # restarted as a user would, into its folder and its step-8 checkpoint: it resumes from it, then heals
+    restarted = _group(2, lighthouse, tmp_path, *run, "--resume", "auto", env={**pace, "FT_STARTED_FILE": str(back)})
     logs = [p.communicate(timeout=240)[0] for p in (*groups, restarted)]
     for p, log in zip((*groups, restarted), logs):
         assert p.returncode == 0, log[-3000:]
@@ -124,7 +126,8 @@ def test_a_killed_group_drops_out_rejoins_heals_and_ends_identical(tmp_path, lig
     healed = ft[2]
     # (it took over at a round of the others, after the step it died at)
     taken = healed["steps_healed_over"]
-    assert healed["heals"] == 1 and healed["heal_bytes"] > 0 and taken >= 20 and taken % 4 == 0, healed
+    assert summaries[2]["resumed_from_step"] == 8
+    assert healed["heals"] == 1 and healed["heal_bytes"] > 0 and taken + 8 >= 20 and taken % 4 == 0, healed
     assert summaries[2]["comm"]["other"]["heal"]["wire_bytes"] == healed["heal_bytes"]
     # after its first round every group holds the same model and the same algorithm state, bit for bit
     weights = [_weights(tmp_path / f"group{g}") for g in range(3)]
