@@ -14,7 +14,8 @@ alternative. Each is compared with its own failure-free run:
 * **recovery**: kill → the restarted group (or job) takes its first training step, holding the others'
   state (a healed group) or the checkpoint's (a restarted job);
 * **steps lost**: process-steps whose work never reached the model: the dead group's local steps since
-  its last round (a healed group), every process's steps since the last checkpoint (a restarted job);
+  its last round and the steps the others took without it (a healed group), every process's steps since
+  the last checkpoint (a restarted job, whose other processes stop while it restarts);
 * **final loss**: against the failure-free run's.
 """
 
@@ -165,8 +166,10 @@ def run_groups(model: list[str], steps: int, period: int, out: Path, kills: dict
         for p in locals().get("procs", {}).values():
             p.kill()
         lighthouse.stop()
-    summary = json.loads((out / "group0" / "summary.json").read_text())
-    return {"events": _events(events), "summary": summary}
+    summaries = {g: json.loads((out / f"group{g}" / "summary.json").read_text()) for g in range(GROUPS)}
+    # (the membership figures of a group that never died: a restarted group's summary is its last process's)
+    survivor = min(range(GROUPS), key=lambda g: len(kills.get(g, [])))
+    return {"events": _events(events), "summary": summaries[0], "survivor": summaries[survivor]}
 
 
 def run_job(model: list[str], steps: int, period: int, out: Path, kills: list[tuple[int, int]], checkpoint_every: int,
@@ -234,14 +237,14 @@ def run(out: Path, quick: bool = False, every: Optional[float] = None, seed: int
     # about four minutes of training here: three failures a minute apart, within one epoch (no epoch-end save)
     steps, period = (48, 4) if quick else (2400, 16)
     timeout = 240 if quick else 1800
-    # quick: one failure at a quarter of the run, and paced steps, so that the survivors outlast the restart
+    # quick: one failure at a fifth of the run, and paced steps, so that the survivors outlast the restart
     pace_env = {PACE_ENV: "0.1"} if quick else {}
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
         clean = run_groups(model, steps, period, tmp_path / "groups", {}, timeout, pace_env)
         pace = steps / _span(clean["events"])
-        every = every or (0.25 * steps / pace if quick else 60.0)
+        every = every or (0.2 * steps / pace if quick else 60.0)
         plan = schedule(pace, steps, every, seed)[:1 if quick else None]
         kills: dict[int, list[int]] = {}
         for victim, step in plan:
@@ -262,8 +265,8 @@ def run(out: Path, quick: bool = False, every: Optional[float] = None, seed: int
         rec = _recoveries(events, "attempt" if job else "group")
         if job:  # every process redoes the steps since the checkpoint the job resumes from
             lost = sum(GROUPS * max(died - back, 0) for _, died, back, _ in rec)
-        else:  # the dead group's local steps since its last round
-            lost = sum(died % period for _, died, _, _ in rec)
+        else:  # the dead group's local steps since its last round, and the steps the others took without it
+            lost = sum(died % period + max(back - died, 0) for _, died, back, _ in rec)
         loss, base_loss = s["metrics"].get("val_loss"), base["summary"]["metrics"].get("val_loss")
         rep.rows.append([name, s["global_step"], len([e for e in events if e["event"] == "die"]), span,
                          base_span / span, (sum(r[0] for r in rec) / len(rec)) if rec else "-",
@@ -287,7 +290,7 @@ def run(out: Path, quick: bool = False, every: Optional[float] = None, seed: int
                      "2% of the failure-free run.")
     rep.data = {"pace": pace, "every": every, "seed": seed, "plan": plan,
                 "events": {k: v["events"] for k, v in results.items()},
-                "fault_tolerance": {k: v["summary"].get("strategy_stats", {}).get("fault_tolerance")
+                "fault_tolerance": {k: v.get("survivor", v["summary"]).get("strategy_stats", {}).get("fault_tolerance")
                                     for k, v in results.items()}}
 
     def plot(ax: Any) -> None:

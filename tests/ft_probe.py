@@ -4,7 +4,8 @@
 * ``$FT_DIE_AT``: the process dies (SIGKILL, no clean-up) when that training step begins;
 * ``$FT_HOLD_AT`` and ``$FT_HOLD_FILE``: at that step, create ``<FT_HOLD_FILE>.waiting`` and wait (up to
   180 s) until the file exists;
-* ``$FT_STARTED_FILE``: create this file when training starts.
+* ``$FT_STARTED_FILE``: create this file when training starts;
+* ``$FT_FIRST_STEP_FILE``: create this file when the first training step begins.
 
 ``GradientDigits`` also writes, when ``$FT_GRADS_DIR`` is set, ``step<N>.pt`` there for every step: this
 group's own gradient of the step's loss (taken from the same graph before backward, so before any
@@ -32,6 +33,8 @@ class PacedDigits(DigitsClassifier):
 
     def on_train_batch_start(self, batch, batch_idx):
         super().on_train_batch_start(batch, batch_idx)
+        if os.environ.get("FT_FIRST_STEP_FILE"):
+            Path(os.environ["FT_FIRST_STEP_FILE"]).touch()
         step = self.trainer.global_step
         if os.environ.get("FT_DIE_AT") and step == int(os.environ["FT_DIE_AT"]):
             os.kill(os.getpid(), signal.SIGKILL)

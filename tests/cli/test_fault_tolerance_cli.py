@@ -163,7 +163,8 @@ def test_sync_a_killed_group_drops_out_of_the_steps_average_and_heals_into_a_ste
     out, _ = victim.communicate(timeout=200)
     assert victim.returncode == -9, out[-3000:]
     _wait_for(Path(str(back) + ".waiting"), survivors)
-    restarted = _group(2, lighthouse, tmp_path, "--max-steps", str(steps), env={**pace, "FT_STARTED_FILE": str(back)},
+    # the survivors go on once the restarted group begins its first step, whose quorum it joins to heal
+    restarted = _group(2, lighthouse, tmp_path, "--max-steps", str(steps), env={**pace, "FT_FIRST_STEP_FILE": str(back)},
                        model=GRADIENTS, strategy=SYNC)
     logs = [p.communicate(timeout=240)[0] for p in (*survivors, restarted)]
     for p, log in zip((*survivors, restarted), logs):
@@ -246,6 +247,9 @@ def test_an_unreachable_lighthouse_fails_in_one_line(tmp_path):
                                    "quorum per round); --strategy compressed does not support it yet"),
     (["--strategy", "sync", "--strategy.shard", "node"], "--fault-tolerance torchft: --strategy.shard node is not "
                                                          "supported across replica groups yet; use --strategy.shard none"),
+    (["--strategy", "sync", "--strategy.find_unused_parameters", "true"],
+     "--fault-tolerance torchft: --strategy.find_unused_parameters true is not supported across replica groups yet; "
+     "use --strategy.find_unused_parameters false"),
     (["--strategy", "diloco", "--strategy.codec", "int8"],
      "--fault-tolerance torchft: --strategy.codec int8 is not supported across replica groups yet; use "
      "--strategy.codec identity"),
@@ -279,6 +283,17 @@ def test_the_flags_of_fault_tolerance_need_it_and_fall_back_to_torchfts_environm
     spec = parse_run("fit", ["--recipe", "digits", "--strategy", "diloco", "--fault-tolerance", "torchft",
                              "--replica-group", "3", "--timeout", "30"])
     assert (spec.fault_tolerance.replica_group, spec.fault_tolerance.quorum_timeout) == (3, 30.0)
+
+
+def test_sync_refuses_a_model_with_floating_buffers_in_one_line(tmp_path):
+    r = cli_process.run(_cmd("fit", "--model", BATCHNORM[0], "--data", BATCHNORM[1], *SYNC, "--max-steps", "4",
+                             "--fault-tolerance", "torchft", "--lighthouse", "http://127.0.0.1:9", "--replica-group",
+                             "0", "--replica-groups", "2", "--output-dir", str(tmp_path / "run")),
+                        env=_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-3000:]
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith("gradsync: error: --fault-tolerance torchft with sync: the model has floating-point "
+                           "buffers ("), line
 
 
 def test_without_the_extra_one_line_names_it(monkeypatch):

@@ -150,6 +150,8 @@ class WholeStepState:
     behind: Any = field(default=None, repr=False)
     #: names of the parameters in the order their gradients became ready in this backward
     ready: list = field(default_factory=list, repr=False)
+    #: backwards whose gradients this hook averaged (DDP rebuilds its buckets after the first)
+    backwards: int = 0
     #: the buckets of this step that wait for its last one
     pending: list = field(default_factory=list, repr=False)
 
@@ -177,6 +179,7 @@ def whole_step_hook(state: WholeStepState, bucket: dist.GradBucket) -> torch.fut
     if not bucket.is_last():
         return fut
     waiting, state.pending = state.pending, []
+    state.backwards += 1
     ready = {name: i for i, name in enumerate(state.ready)} if state.behind is not None and state.behind() else None
     entries = sorted(((ready[name] if ready is not None else (b, offset), name, view)
                       for b, (buffer, layout, _) in enumerate(waiting)
