@@ -128,7 +128,8 @@ def test_a_killed_group_drops_out_rejoins_heals_and_ends_identical(tmp_path, lig
     taken = healed["steps_healed_over"]
     assert summaries[2]["resumed_from_step"] == 8
     assert healed["heals"] == 1 and healed["heal_bytes"] > 0 and taken + 8 >= 20 and taken % 4 == 0, healed
-    assert summaries[2]["comm"]["other"]["heal"]["wire_bytes"] == healed["heal_bytes"]
+    # (the ledger resumed from the checkpoint holds any heal of the group's first process too)
+    assert summaries[2]["comm"]["other"]["heal"]["wire_bytes"] >= healed["heal_bytes"]
     # after its first round every group holds the same model and the same algorithm state, bit for bit
     weights = [_weights(tmp_path / f"group{g}") for g in range(3)]
     for w in weights[1:]:
