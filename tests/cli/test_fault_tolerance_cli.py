@@ -175,11 +175,18 @@ def test_sync_a_killed_group_drops_out_of_the_steps_average_and_heals_into_a_ste
     ft = [s["strategy_stats"]["fault_tolerance"] for s in summaries]
     assert all(s["global_step"] == steps for s in summaries)
     per_step = ft[0]["participants"]["per_round"]
-    assert len(per_step) == steps - ft[0]["steps_healed_over"]  # one quorum per step this group ran
+    # one quorum per step this group ran: from its first (a group that joins after the others' first quorum
+    # heals over the steps before it)
+    first = ft[0]["steps_healed_over"]
+    assert len(per_step) == steps - first
+    groups_at = {first + i: n for i, n in enumerate(per_step)}
+    # group 2 died as its step 10 began: whether step 10's quorum still held it depends on timing; steps 11 to
+    # 19 cannot (the survivors hold at step 20 until it is back)
+    assert all(groups_at[step] == 2 for step in range(11, 20)) and per_step[-1] == 3, per_step
     # the steps the survivors took without group 2: their gradient was the mean of theirs alone, exactly
     # (each divides by two, an exact operation, before the sum)
     checked = 0
-    for step, n in enumerate(per_step):
+    for step, n in groups_at.items():
         if n != 2 or step < 10:
             continue
         saved = [torch.load(d / f"step{step}.pt", weights_only=True) for d in grads]
@@ -188,7 +195,7 @@ def test_sync_a_killed_group_drops_out_of_the_steps_average_and_heals_into_a_ste
         for s in saved:
             assert all(torch.equal(x, y) for x, y in zip(s["applied"], by_hand)), f"step {step}"
         checked += 1
-    assert checked >= 10 and per_step[-1] == 3, per_step
+    assert checked >= 9, per_step
     assert ft[0]["failures_seen"] >= 1
     healed = ft[2]
     assert healed["heals"] == 1 and healed["heal_bytes"] > 0 and healed["steps_healed_over"] >= 20, healed
