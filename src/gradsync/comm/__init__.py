@@ -20,7 +20,7 @@ node-scoped rounds alike::
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 import torch.distributed as dist
 
@@ -81,11 +81,12 @@ def check_codec_options(codec: str, given: dict[str, Any], *, flag: str = "--str
 
 
 def build_reducer(codec: str, *, ledger: Optional[CommLedger] = None, group: Optional[dist.ProcessGroup] = None,
-                  scope: str = "world", error_feedback: bool = False, **options: Any) -> Reducer:
+                  scope: str = "world", error_feedback: bool = False,
+                  wrap: Optional[Callable[[Reducer], Reducer]] = None, **options: Any) -> Reducer:
     """The reducer of ``codec`` (options it does not read are ignored), wrapped in error feedback on request.
 
     ``error_feedback`` applies to lossy codecs only; for ``sign`` it also turns on the reducer-side
-    residual of its second hop.
+    residual of its second hop. ``wrap`` goes around the codec itself, inside error feedback.
     """
     check(codec in REDUCERS, "codec", codec, f"must be one of {', '.join(REDUCERS)}", "e.g. --strategy.codec int8")
     cls = REDUCERS[codec]
@@ -94,6 +95,8 @@ def build_reducer(codec: str, *, ledger: Optional[CommLedger] = None, group: Opt
     if codec == "sign":
         kwargs["reducer_feedback"] = bool(error_feedback)
     reducer = cls(ledger=ledger, group=group, scope=scope, **kwargs)
+    if wrap is not None:
+        reducer = wrap(reducer)
     decay = feedback.get("error_decay", 1.0)
     check(isinstance(decay, (int, float)) and not isinstance(decay, bool) and 0 < decay <= 1, "error_decay", decay,
           "must be in (0, 1] (the residual is multiplied by it before each reduction)",
@@ -134,9 +137,9 @@ class CodecSpec:
         return replace(self, options={**self.options, **options})
 
     def build(self, *, ledger: Optional[CommLedger] = None, group: Optional[dist.ProcessGroup] = None,
-              scope: str = "world") -> Reducer:
+              scope: str = "world", wrap: Optional[Callable[[Reducer], Reducer]] = None) -> Reducer:
         return build_reducer(self.name, ledger=ledger, group=group, scope=scope, error_feedback=self.error_feedback,
-                             **self.options)
+                             wrap=wrap, **self.options)
 
     def signature(self) -> dict:
         """The codec, error feedback and the options it reads: what its state in a checkpoint belongs to."""

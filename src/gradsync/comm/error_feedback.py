@@ -46,7 +46,7 @@ variants are the same, bit for bit.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Container, Hashable, Mapping, Optional
+from typing import Any, Callable, Container, Hashable, Mapping, Optional
 
 import torch
 
@@ -104,6 +104,14 @@ class ErrorFeedback(Reducer):
 
     def runtime_state_names(self) -> list[str]:
         return ["worker error-feedback residuals", *self.inner.runtime_state_names()]
+
+    def mark(self) -> Any:
+        return dict(self.residuals.pieces), self.inner.mark()
+
+    def roll_back(self, mark: Any) -> None:
+        pieces, inner = mark
+        self.residuals.pieces = dict(pieces)
+        self.inner.roll_back(inner)
 
     def residual_norm(self) -> float:
         """The residuals' L2 norm over every name (a health figure: it should stay bounded)."""

@@ -229,6 +229,8 @@ class CommLedger:
         ``all_gather_into_tensor``), else ``all_gather_into_tensor``. Records this rank's part.
         """
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        if getattr(group, "gathers_into_lists", False):
+            gather = _gather_into_views
         nbytes = tensor.numel() * tensor.element_size()
         return self._run("all_gather", nbytes, lambda a: gather(output, tensor, group=group, async_op=a),
                          async_op, output, group, account)
@@ -351,3 +353,10 @@ class CommLedger:
             for purpose, saved in (state.get("other") or {}).items():
                 self.other[purpose] = Totals()
                 self.other[purpose].load(saved)
+
+
+def _gather_into_views(output: torch.Tensor, tensor: torch.Tensor, *, group: Any, async_op: bool = False) -> Any:
+    """All-gather into one tensor through the list form, for process groups without a gather into one tensor
+    (torchft's, which mark themselves ``gathers_into_lists``): each rank's part lands in its view of ``output``."""
+    parts = list(output.view(-1).chunk(group.size()))
+    return dist.all_gather(parts, tensor.reshape(-1), group=group, async_op=async_op)

@@ -154,7 +154,7 @@ class ReplicaGroup:
     def _manager(self, Manager: Any, ProcessGroupGloo: Any, timeout: timedelta) -> Any:
         config = self.config
         #: the process group torchft reconfigures over each quorum's groups
-        self.pg = ProcessGroupGloo(timeout=timeout)
+        self.pg = _quorum_group(ProcessGroupGloo)(timeout=timeout)
         return Manager(
             pg=self.pg, min_replica_size=1, load_state_dict=self._load,
             state_dict=self._user_state_dict, replica_id=f"gradsync_{config.replica_group}",
@@ -233,6 +233,15 @@ class ReplicaGroup:
         work.wait()
         return tensor
 
+    def report_error(self, exc: Exception) -> None:
+        """A collective of this round failed (a group died during it): the commit drops the round."""
+        self.manager.report_error(exc)
+
+    @property
+    def errored(self) -> bool:
+        """A collective of this round failed already: the rest of the round sends nothing."""
+        return self.manager.errored() is not None
+
     def disagreeing(self, fingerprint: dict[str, str]) -> list[str]:
         """The fields of ``fingerprint`` (field -> digest, the same on every group that runs the same job)
         on which the groups of this quorum differ. One all-reduce of a fixed-size bit pattern: each field
@@ -261,6 +270,20 @@ class ReplicaGroup:
 
 
 _AGREE_SLOTS = 128
+
+
+def _quorum_group(base: type) -> type:
+    """torchft's process group, as gradsync's reducers ask of a group: its ``rank()`` is this group's rank in
+    the quorum it was last configured for (torchft's answers the rank it was constructed with, 0), and it
+    says that it has no all-gather into one tensor (see :meth:`CommLedger.all_gather_single`)."""
+
+    class QuorumGroup(base):  # type: ignore[misc, valid-type]
+        gathers_into_lists = True
+
+        def rank(self) -> int:
+            return self.parent.rank()
+
+    return QuorumGroup
 
 
 def _hash32(text: str) -> int:
@@ -307,3 +330,62 @@ class ManagedReducer(Reducer):
 
     def world_size(self) -> int:
         return self.replicas.participants
+
+
+class ManagedCodec(Reducer):
+    """A lossy codec's reducer (``inner``, built on the quorum's process group) across the replica groups of a
+    quorum, with the semantics of torchft's managed all-reduce around it:
+
+    * a healing group sends zeros, which every codec decodes to zero, and the codec's mean over the process
+      group is rescaled to the participants (the groups whose contribution counts);
+    * its ``sent`` is its whole input, so error feedback keeps no residual from a round it took no part in:
+      what it owed died with the process it was, and it starts from zero, as a new job does;
+    * a collective that fails (a group died during the round) is reported to the Manager and the rest of the
+      round sends nothing; the round's commit then drops it, on every group.
+
+    Wrapped in :class:`~gradsync.comm.error_feedback.ErrorFeedback` like the codec itself (see
+    :func:`gradsync.comm.build_reducer`'s ``wrap``).
+    """
+
+    def __init__(self, inner: Reducer, group: ReplicaGroup) -> None:
+        super().__init__(ledger=inner.ledger, group=inner.group, scope=inner.scope)
+        self.inner, self.replicas = inner, group
+        self.codec, self.lossy = inner.codec, inner.lossy
+
+    def run(self, tensors: list[torch.Tensor], names: list[str], sync: Hashable) -> Any:
+        replicas, inner = self.replicas, self.inner
+        inner.need_sent = self.need_sent
+        healing = replicas.healing
+        if replicas.errored:
+            return [t.detach().clone() for t in tensors], list(tensors)
+        inputs = [torch.zeros_like(t) for t in tensors] if healing else tensors
+        try:
+            means, sent = yield from inner.run(inputs, names, sync)
+        except Exception as exc:  # noqa: BLE001 - a peer died mid-round: the commit drops the round
+            replicas.report_error(exc)
+            return [t.detach().clone() for t in tensors], list(tensors)
+        wire, participants = inner.world_size(), replicas.participants
+        if participants != wire:
+            means = [m.mul(wire / participants) for m in means]
+        return means, (list(tensors) if healing else sent)
+
+    def world_size(self) -> int:
+        return self.replicas.participants
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)
+
+    def runtime_state_names(self) -> list[str]:
+        return self.inner.runtime_state_names()
+
+    def mark(self) -> Any:
+        return self.inner.mark()
+
+    def roll_back(self, mark: Any) -> None:
+        self.inner.roll_back(mark)
+
+    def options(self) -> dict:
+        return self.inner.options()

@@ -63,10 +63,14 @@ class Reducer:
         return sequencer_for(self.group)
 
     def world_size(self) -> int:
-        return dist.get_world_size(self.group) if dist.is_available() and dist.is_initialized() else 1
+        if self.group is not None:  # asked of the group itself: it may be one torch does not register (torchft's)
+            return self.group.size()
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
     def group_rank(self) -> int:
-        return dist.get_rank(self.group) if dist.is_available() and dist.is_initialized() else 0
+        if self.group is not None:
+            return self.group.rank()
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
     def account(self, sync: Optional[Hashable]) -> dict:
         """Keyword arguments for the ledger's collectives: this reducer's group, scope and sync."""
@@ -101,6 +105,14 @@ class Reducer:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`."""
+
+    def mark(self) -> Any:
+        """A token of the runtime state now, for :meth:`roll_back` (a round that ran but was dropped: a replica
+        group failed during it). Cheap: state is replaced, not changed in place, by a reduction."""
+        return None
+
+    def roll_back(self, mark: Any) -> None:
+        """Return the runtime state to what it was at :meth:`mark`."""
 
     def runtime_state_names(self) -> list[str]:
         """Human names of the runtime state, for the warning when a world-size change resets it."""

@@ -216,9 +216,14 @@ class PeriodicAveragingStrategy(ReplicaGroupMember, GradsyncStrategy):
     def reducer(self) -> Reducer:
         """The reducer of rounds (built on gradsync's own group at first use)."""
         if self._round_reducer is None and self.replicas is not None:
-            from gradsync.comm.managed import ManagedReducer
+            from gradsync.comm.managed import ManagedCodec, ManagedReducer
 
-            self._round_reducer = ManagedReducer(self.replicas, ledger=self.ledger)
+            replicas = self.replicas
+            if self.codec == "identity":
+                self._round_reducer = ManagedReducer(replicas, ledger=self.ledger)
+            else:  # the codec on the quorum's process group, inside error feedback
+                self._round_reducer = self.codec_spec.build(ledger=self.ledger, group=replicas.pg,
+                                                            wrap=lambda codec: ManagedCodec(codec, replicas))
         if self._round_reducer is None:
             reducer = self.codec_spec.build(ledger=self.ledger, group=self.round_group(), scope=self.round_scope())
             if self.scope == "node" and not self.sharded:
@@ -280,7 +285,9 @@ class PeriodicAveragingStrategy(ReplicaGroupMember, GradsyncStrategy):
     # ---- fault-tolerant replica groups (torchft) -----------------------------------------------
     def _unsupported_across_groups(self) -> list:
         return [
-            (self.codec != "identity", "codec", self.codec, "identity"),
+            # their state is the same on every rank (PowerSGD's Q) or owned by a rank's share of the
+            # world (sign's second hop): a group that heals, or a quorum of another size, breaks it
+            (self.codec in ("sign", "powersgd"), "codec", self.codec, "int8"),
             (self.fragments != 1, "fragments", self.fragments, 1),
             (self.sync_delay != 0, "sync_delay", self.sync_delay, 0),
             (self.overlap, "overlap", self.overlap, False),
@@ -295,7 +302,7 @@ class PeriodicAveragingStrategy(ReplicaGroupMember, GradsyncStrategy):
         algorithm = self.algorithm
         self.replicas = self._new_replica_group()
         self._round_reducer = None
-        algorithm.coordinator = _JoinedRound(self.replicas)
+        algorithm.coordinator = _JoinedRound(self.replicas, lambda: algorithm.reducer)
         algorithm.logical_world = self.world_size * self.fault_tolerance.replica_groups
         algorithm.coordinator.begin_round()
         if self.replicas.healing:
@@ -419,19 +426,26 @@ def _drop_shard_shaped(out: Any) -> None:
 
 class _JoinedRound:
     """The algorithm's coordinator over a :class:`~gradsync.comm.managed.ReplicaGroup`: one quorum per
-    round (a round that already formed its quorum, as the join does, does not ask again)."""
+    round (a round that already formed its quorum, as the join does, does not ask again). A round that is
+    dropped leaves the reducer's state (error-feedback residuals) as it was before the round."""
 
-    def __init__(self, replicas: Any) -> None:
-        self.replicas, self.open = replicas, False
+    def __init__(self, replicas: Any, reducer: Callable[[], Reducer]) -> None:
+        self.replicas, self.reducer, self.open = replicas, reducer, False
+        self._mark: Any = None
 
     def begin_round(self) -> None:
         if not self.open:
             self.replicas.begin_round()
+            self._mark = self.reducer().mark()
             self.open = True
 
     def commit(self) -> bool:
         self.open = False
-        return self.replicas.commit()
+        ok = self.replicas.commit()
+        if not ok:
+            self.reducer().roll_back(self._mark)
+        self._mark = None
+        return ok
 
     def mean(self, tensor: torch.Tensor, sync: Any) -> None:
         self.replicas.allreduce_mean(tensor)
