@@ -121,6 +121,7 @@ NOT_INTERNALS = {
     ("strategies/local_clip.py", "_pending"),  # gradsync's own hook state
     ("strategies/sync_batchnorm.py", "_BatchNorm"),  # torch's base of every BatchNorm (isinstance)
     ("strategies/compressed.py", "_normalize_weighted_gradients"),  # super(): gradsync's base
+    ("strategies/compressed.py", "_unsupported_across_groups"),  # super(): gradsync's QuorumPerStep
 }
 
 

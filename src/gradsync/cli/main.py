@@ -84,7 +84,8 @@ RUN_FLAGS: list[tuple[tuple[str, ...], dict]] = [
           help="also save last.ckpt every N optimizer steps (0: at epoch ends and at the end)")),
     (("--fault_tolerance", "--fault-tolerance"), dict(type=Literal["none", "torchft"], default="none",
           help="torchft: this job is one fault-tolerant replica group; groups that die drop out of the next "
-               "quorum and rejoin healed (the ft extra; sync: a quorum per step, local_sgd and diloco: per round)")),
+               "quorum and rejoin healed (the ft extra; sync and compressed: a quorum per step, local_sgd and "
+               "diloco: per round)")),
     (("--lighthouse",), dict(type=Optional[str], default=None,
           help="with --fault-tolerance torchft: the lighthouse, http://HOST:PORT (flag > $TORCHFT_LIGHTHOUSE)")),
     (("--replica_group", "--replica-group"), dict(type=Optional[int], default=None,

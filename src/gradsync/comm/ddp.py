@@ -148,6 +148,10 @@ class WholeStepState:
     steps: Any = field(default=None, repr=False)
     #: True while this process joins the others' step behind them (a replica group healing into it)
     behind: Any = field(default=None, repr=False)
+    #: lay the message out in the model's order rather than DDP's: what a codec compresses then does not
+    #: depend on DDP's bucket rebuild (a codec's chunks and rounding depend on where an entry sits), and
+    #: it matches the per-bucket hook's layout of a model DDP holds in one bucket
+    canonical: bool = False
     #: names of the parameters in the order their gradients became ready in this backward
     ready: list = field(default_factory=list, repr=False)
     #: backwards whose gradients this hook averaged (DDP rebuilds its buckets after the first)
@@ -167,7 +171,8 @@ class WholeStepState:
 def whole_step_hook(state: WholeStepState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average a step's gradients through ``state.reducer`` in one reduction, once the last bucket is ready.
 
-    The message is the buckets' buffers in DDP's order, which is the order of DDP's own all-reduce:
+    The message is the buckets' buffers in DDP's order (in the model's with ``state.canonical``), which is
+    the order of DDP's own all-reduce:
     averaged over one bucket's worth of processes, the result is DDP's to the bit. DDP lays its
     buckets out in the model's order for the first backward of a process and in the order the
     gradients became ready in it ever after; a process whose first backward joins others past theirs
@@ -180,8 +185,20 @@ def whole_step_hook(state: WholeStepState, bucket: dist.GradBucket) -> torch.fut
         return fut
     waiting, state.pending = state.pending, []
     state.backwards += 1
-    ready = {name: i for i, name in enumerate(state.ready)} if state.behind is not None and state.behind() else None
-    entries = sorted(((ready[name] if ready is not None else (b, offset), name, view)
+    if state.canonical:  # the model's order (unnamed parameters last, in DDP's)
+        position = {name: i for i, name in state.param_names.values()}
+
+        def key(b: int, name: str, offset: int) -> Any:
+            return position.get(name, 1 << 40), b, offset
+    elif state.behind is not None and state.behind():  # the order of this backward's ready gradients
+        ready = {name: i for i, name in enumerate(state.ready)}
+
+        def key(b: int, name: str, offset: int) -> Any:
+            return ready[name]
+    else:  # DDP's
+        def key(b: int, name: str, offset: int) -> Any:
+            return b, offset
+    entries = sorted(((key(b, name, offset), name, view)
                       for b, (buffer, layout, _) in enumerate(waiting)
                       for (name, _), offset, view in zip(layout.keys, layout.offsets, layout.views(buffer))),
                      key=lambda e: e[0])

@@ -105,6 +105,9 @@ class ErrorFeedback(Reducer):
     def runtime_state_names(self) -> list[str]:
         return ["worker error-feedback residuals", *self.inner.runtime_state_names()]
 
+    def world_size(self) -> int:
+        return self.inner.world_size()
+
     def mark(self) -> Any:
         return dict(self.residuals.pieces), self.inner.mark()
 

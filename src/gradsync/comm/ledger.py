@@ -226,7 +226,8 @@ class CommLedger:
         """All-gather into one tensor (``output`` holds every rank's ``tensor``, in rank order).
 
         ``dist.all_gather_single`` where torch has it (it replaces the deprecated
-        ``all_gather_into_tensor``), else ``all_gather_into_tensor``. Records this rank's part.
+        ``all_gather_into_tensor``), else ``all_gather_into_tensor``; on a group that marks itself
+        ``gathers_into_lists`` (torchft's), the list form into views of ``output``. Records this rank's part.
         """
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         if getattr(group, "gathers_into_lists", False):

@@ -31,7 +31,7 @@ from typing import Any, Callable, Hashable, Optional, Sequence
 
 import torch
 
-from gradsync.comm.ledger import CommLedger
+from gradsync.comm.ledger import TRAIN, CommLedger
 from gradsync.comm.reducer import Reducer, split_by_dtype, unflatten_into
 from gradsync.errors import GradsyncError
 
@@ -99,10 +99,41 @@ class Telemetry:
     uncommitted: int = 0  # rounds / steps this group dropped because a group failed during them
     quorum_seconds: float = 0.0  # time spent forming quorums (and fetching a heal): where a failure costs
     started_at: float = field(default_factory=time.monotonic)
+    #: this process's optimizer steps: how many it took and kept, and their time (forward and backward included)
+    steps: int = 0
+    steps_kept: int = 0
+    stepping_seconds: float = 0.0
+    #: the steps no failure touched (no smaller quorum, heal or dropped step during them): the pace
+    calm_steps: int = 0
+    calm_seconds: float = 0.0
+    _seen: tuple = (0, 0, 0)
+
+    def note_step(self, seconds: float, kept: bool = True) -> None:
+        """An optimizer step of this process took ``seconds``; ``kept``: its work stayed in the model (a
+        ``sync`` step that a failure left uncommitted did not)."""
+        seen = (self.failures_seen, self.heals, self.uncommitted)
+        calm, self._seen = seen == self._seen, seen
+        self.steps += 1
+        self.steps_kept += int(kept)
+        self.stepping_seconds += seconds
+        if calm and kept:
+            self.calm_steps += 1
+            self.calm_seconds += seconds
+
+    def goodput(self) -> Optional[float]:
+        """Steps this process kept ÷ steps it would have taken in its stepping time without failures, at its
+        own pace: the mean of the steps no failure touched (a step that saw a smaller quorum, a heal or a
+        dropped step is not). Time outside optimizer steps (data loading, validation) is left out of both.
+        None before 16 such steps."""
+        if self.calm_steps < 16 or self.stepping_seconds <= 0:
+            return None
+        pace = self.calm_seconds / self.calm_steps
+        return min(1.0, self.steps_kept * pace / self.stepping_seconds)
 
     def summary(self) -> dict:
         parts = self.participants
-        return {"rounds": self.rounds, "committed": self.committed,
+        goodput = self.goodput()
+        return {"goodput": None if goodput is None else round(goodput, 4), "rounds": self.rounds, "committed": self.committed,
                 "participants": {"min": min(parts) if parts else None, "max": max(parts) if parts else None,
                                  "last": parts[-1] if parts else None, "per_round": list(parts)},
                 "failures_seen": self.failures_seen, "heals": self.heals,
@@ -225,6 +256,13 @@ class ReplicaGroup:
         work.wait()
         return tensor
 
+    def mean(self, tensor: torch.Tensor, *, purpose: str = TRAIN, sync: Optional[Hashable] = None) -> torch.Tensor:
+        """:meth:`allreduce_mean`, booked in the ledger (training traffic, or ``purpose``'s)."""
+        self.allreduce_mean(tensor)
+        self.ledger.record("all_reduce", tensor.numel() * tensor.element_size(), group_size=self.wire_size(),
+                           purpose=purpose, sync=sync)
+        return tensor
+
     def allreduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` replaced by its sum over the quorum's participants (zeros sent while healing)."""
         from torch.distributed import ReduceOp
@@ -242,6 +280,11 @@ class ReplicaGroup:
         """A collective of this round failed already: the rest of the round sends nothing."""
         return self.manager.errored() is not None
 
+    def codec_reducer(self, spec: Any) -> Reducer:
+        """The reducer of ``spec`` (a :class:`~gradsync.comm.CodecSpec`) across the groups of each quorum: the
+        codec on the quorum's process group, in a :class:`ManagedCodec`, inside error feedback."""
+        return spec.build(ledger=self.ledger, group=self.pg, wrap=lambda codec: ManagedCodec(codec, self))
+
     def disagreeing(self, fingerprint: dict[str, str]) -> list[str]:
         """The fields of ``fingerprint`` (field -> digest, the same on every group that runs the same job)
         on which the groups of this quorum differ. One all-reduce of a fixed-size bit pattern: each field
@@ -253,10 +296,7 @@ class ReplicaGroup:
             slots[slot] ^= _hash32(f"{name}={digest}")
             owners.setdefault(slot, []).append(name)
         bits = ((torch.tensor(slots, dtype=torch.int64).unsqueeze(1) >> torch.arange(32)) & 1).to(torch.float32)
-        flat = bits.reshape(-1)
-        self.allreduce_mean(flat)
-        self.ledger.record("all_reduce", flat.numel() * flat.element_size(), group_size=self.wire_size(),
-                           purpose="control")
+        flat = self.mean(bits.reshape(-1), purpose="control")
         mixed = ((flat != 0) & (flat != 1)).reshape(_AGREE_SLOTS, 32).any(dim=1)
         return sorted(name for slot in mixed.nonzero().flatten().tolist()
                       for name in owners.get(slot, ["a field this group does not have"]))
@@ -340,11 +380,13 @@ class ManagedCodec(Reducer):
       group is rescaled to the participants (the groups whose contribution counts);
     * its ``sent`` is its whole input, so error feedback keeps no residual from a round it took no part in:
       what it owed died with the process it was, and it starts from zero, as a new job does;
-    * a collective that fails (a group died during the round) is reported to the Manager and the rest of the
-      round sends nothing; the round's commit then drops it, on every group.
+    * a collective that fails (a group died during the round) is logged and reported to this group's
+      Manager, and the rest of the round sends nothing here: this group does not commit the round (torchft
+      agrees on a commit within a group; the survivors of a death each see their collective fail), and its
+      coordinator rolls the residuals back. A group that drops a round the others committed is behind them
+      at the next quorum, and heals.
 
-    Wrapped in :class:`~gradsync.comm.error_feedback.ErrorFeedback` like the codec itself (see
-    :func:`gradsync.comm.build_reducer`'s ``wrap``).
+    Built by :meth:`ReplicaGroup.codec_reducer`, inside error feedback like the codec itself.
     """
 
     def __init__(self, inner: Reducer, group: ReplicaGroup) -> None:
@@ -356,14 +398,16 @@ class ManagedCodec(Reducer):
         replicas, inner = self.replicas, self.inner
         inner.need_sent = self.need_sent
         healing = replicas.healing
-        if replicas.errored:
-            return [t.detach().clone() for t in tensors], list(tensors)
+        if replicas.errored:  # a collective of this round failed already
+            return _unsent(tensors)
         inputs = [torch.zeros_like(t) for t in tensors] if healing else tensors
         try:
             means, sent = yield from inner.run(inputs, names, sync)
-        except Exception as exc:  # noqa: BLE001 - a peer died mid-round: the commit drops the round
+        except Exception as exc:  # noqa: BLE001 - as torchft's managed all-reduce: this group drops the round
+            _log.warning("fault tolerance: the %s round failed (%s); this group drops it", self.codec,
+                         _first_line(exc), exc_info=True)
             replicas.report_error(exc)
-            return [t.detach().clone() for t in tensors], list(tensors)
+            return _unsent(tensors)
         wire, participants = inner.world_size(), replicas.participants
         if participants != wire:
             means = [m.mul(wire / participants) for m in means]
@@ -381,11 +425,13 @@ class ManagedCodec(Reducer):
     def runtime_state_names(self) -> list[str]:
         return self.inner.runtime_state_names()
 
-    def mark(self) -> Any:
-        return self.inner.mark()
-
-    def roll_back(self, mark: Any) -> None:
-        self.inner.roll_back(mark)
-
     def options(self) -> dict:
         return self.inner.options()
+
+
+def _unsent(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A round this group drops: its own values back (never applied), all of them counted as sent."""
+    return [t.detach().clone() for t in tensors], list(tensors)
+
+
+_log = logging.getLogger(__name__)

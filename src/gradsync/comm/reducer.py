@@ -108,11 +108,17 @@ class Reducer:
 
     def mark(self) -> Any:
         """A token of the runtime state now, for :meth:`roll_back` (a round that ran but was dropped: a replica
-        group failed during it). Cheap: state is replaced, not changed in place, by a reduction."""
-        return None
+        group failed during it). A wrapper passes it through to its ``inner`` reducer; a reducer with state
+        of its own overrides both (:class:`~gradsync.comm.error_feedback.ErrorFeedback`, whose residuals a
+        reduction replaces rather than changes, so that the token is a shallow copy)."""
+        inner = getattr(self, "inner", None)
+        return inner.mark() if isinstance(inner, Reducer) else None
 
     def roll_back(self, mark: Any) -> None:
         """Return the runtime state to what it was at :meth:`mark`."""
+        inner = getattr(self, "inner", None)
+        if isinstance(inner, Reducer):
+            inner.roll_back(mark)
 
     def runtime_state_names(self) -> list[str]:
         """Human names of the runtime state, for the warning when a world-size change resets it."""

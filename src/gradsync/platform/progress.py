@@ -43,6 +43,9 @@ def step_stats(metrics: dict) -> str:
     groups = _num(metrics.get("ft/participants"))
     if groups is not None:  # fault-tolerant replica groups in the last round's quorum
         parts.append(f"groups {groups:.0f}")
+    goodput = _num(metrics.get("ft/goodput"))
+    if goodput is not None:
+        parts.append(f"goodput {goodput:.2f}")
     return "  ".join(parts)
 
 

@@ -80,7 +80,8 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
             ft["replica_groups"] else ""
         rows.append(("replica groups", f"group {ft['replica_group']} of {ft['replica_groups']}; rounds averaged over "
                                        f"{parts.get('min')}..{parts.get('max')} groups{fewer}; failures seen "
-                                       f"{ft['failures_seen']}; {heal}"))
+                                       f"{ft['failures_seen']}; {heal}"
+                                       + (f"; goodput {ft['goodput']:.3f}" if ft.get("goodput") is not None else "")))
     if summary.get("tokens_per_second") is not None:
         rows.append(("tokens/s", _fmt(summary["tokens_per_second"])))
     if summary.get("resumed_from_step") is not None:

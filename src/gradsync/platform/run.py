@@ -308,8 +308,8 @@ def with_fault_tolerance(strategy: Any, spec: RunSpec) -> Any:
         return strategy
     if not hasattr(strategy, "enable_fault_tolerance"):
         name = strategy if isinstance(strategy, str) else spec.strategy
-        raise GradsyncError(f"--fault-tolerance torchft runs sync (a quorum per step), local_sgd and diloco (a quorum "
-                            f"per round); --strategy {name} does not support it yet")
+        raise GradsyncError(f"--fault-tolerance torchft runs sync and compressed (a quorum per step), local_sgd and "
+                            f"diloco (a quorum per round); --strategy {name} does not support it yet")
     from gradsync.platform.consistency import config_fingerprint
 
     strategy.enable_fault_tolerance(spec.fault_tolerance, fingerprint=config_fingerprint(spec))

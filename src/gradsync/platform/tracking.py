@@ -457,6 +457,9 @@ class RunTelemetry(Callback):
             ft = replicas.telemetry
             metrics.update({"ft/participants": float(ft.participants[-1]), "ft/failures_seen": float(ft.failures_seen),
                             "ft/heals": float(ft.heals), "ft/quorum_seconds": float(ft.quorum_seconds)})
+            goodput = ft.goodput()
+            if goodput is not None:
+                metrics["ft/goodput"] = goodput
         self.latest = metrics
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
         self._mark(trainer)

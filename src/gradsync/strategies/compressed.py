@@ -36,6 +36,7 @@ from gradsync.comm.reducer import IdentityReducer, Reducer
 from gradsync.errors import check, spell
 from gradsync.strategies.base import GradsyncStrategy
 from gradsync.strategies.local_clip import LocalClipState, local_clip_hook
+from gradsync.strategies.replicas import QuorumPerStep, codec_across_groups
 from gradsync.strategies.sharding import Shard, ShardDtype
 
 
@@ -60,7 +61,7 @@ POWERSGD_MIN_WARMUP = 2
 POWERSGD_RANK, POWERSGD_ADAM_RANK = CODEC_OPTIONS["rank"][0], 8
 
 
-class CompressedStrategy(GradsyncStrategy):
+class CompressedStrategy(QuorumPerStep, GradsyncStrategy):
     """Compressed all-reduce: gradients sent as fp16, bf16, int8, int4, 1-bit sign, top-k or PowerSGD."""
 
     strategy_name = "compressed"
@@ -183,6 +184,10 @@ class CompressedStrategy(GradsyncStrategy):
 
     # ---- hooks -----------------------------------------------------------------------------
     def build_comm_hook(self) -> Optional[tuple[Any, Callable]]:
+        if self.fault_tolerance is not None:  # a quorum per step: the codec across the groups of each
+            state, hook = self._managed_hook()
+            self._hook_state = state  # (its reducer's residuals are checkpointed as the codec state)
+            return state, hook
         reducer, warmup = self._build_reducers()
         self._hook_state = ReducerHookState(reducer=reducer, warmup=warmup, warmup_steps=self.schedule.warmup_steps,
                                             steps=self.schedule).bind(self.lightning_module.named_parameters())
@@ -261,9 +266,30 @@ class CompressedStrategy(GradsyncStrategy):
             super()._normalize_weighted_gradients(optimizer)
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        out = self._optimizer_step(optimizer, closure, model, **kwargs)
+        if self.replicas is not None:
+            out = self._quorum_step(optimizer, closure,
+                                    lambda managed: self._optimizer_step(optimizer, managed, model, **kwargs))
+        else:
+            out = self._optimizer_step(optimizer, closure, model, **kwargs)
         self.schedule.num_steps += 1  # the step's gradients were reduced under the count before it
         return out
+
+    # ---- fault-tolerant replica groups (a quorum per step, as sync's) ----------------------------
+    #: what the codec compresses does not depend on DDP's bucket rebuild (as under the per-bucket hook)
+    _canonical_layout = True
+
+    def _unsupported_across_groups(self) -> list:
+        return [*super()._unsupported_across_groups(), codec_across_groups(self.codec),
+                (self.corrects_momentum, "momentum_correction", True, False),
+                (self.schedule.warmup_steps != 0, "warmup_steps", self.schedule.warmup_steps, 0),
+                (self.scope != "world", "scope", self.scope, "world")]
+
+    def _step_reducer(self) -> Reducer:
+        # (shard and powersgd, whose paths rebuild or read the per-bucket reducers, are refused above)
+        return self.replicas.codec_reducer(self.codec_spec)
+
+    def _step_count(self) -> Schedule:
+        return self.schedule
 
     def _optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         if not self.corrects_momentum:

@@ -15,6 +15,7 @@ The algorithm itself — the schedule, the rounds, what they send and what the m
 """
 
 # No `from __future__ import annotations` here: DDP checks the hook's annotations at runtime.
+import time
 import warnings
 from typing import Any, Callable, Literal, Optional
 
@@ -31,7 +32,7 @@ from gradsync.comm.reducer import Reducer
 from gradsync.errors import GradsyncError, check, spell
 from gradsync.strategies.base import GradsyncStrategy
 from gradsync.strategies.lightning_private import ddp_kwargs
-from gradsync.strategies.replicas import ReplicaGroupMember
+from gradsync.strategies.replicas import ReplicaGroupMember, codec_across_groups
 from gradsync.strategies.sharding import Shard, ShardDtype
 
 Scope = Literal["world", "node"]
@@ -216,14 +217,10 @@ class PeriodicAveragingStrategy(ReplicaGroupMember, GradsyncStrategy):
     def reducer(self) -> Reducer:
         """The reducer of rounds (built on gradsync's own group at first use)."""
         if self._round_reducer is None and self.replicas is not None:
-            from gradsync.comm.managed import ManagedCodec, ManagedReducer
+            from gradsync.comm.managed import ManagedReducer
 
-            replicas = self.replicas
-            if self.codec == "identity":
-                self._round_reducer = ManagedReducer(replicas, ledger=self.ledger)
-            else:  # the codec on the quorum's process group, inside error feedback
-                self._round_reducer = self.codec_spec.build(ledger=self.ledger, group=replicas.pg,
-                                                            wrap=lambda codec: ManagedCodec(codec, replicas))
+            self._round_reducer = (ManagedReducer(self.replicas, ledger=self.ledger) if self.codec == "identity"
+                                   else self.replicas.codec_reducer(self.codec_spec))
         if self._round_reducer is None:
             reducer = self.codec_spec.build(ledger=self.ledger, group=self.round_group(), scope=self.round_scope())
             if self.scope == "node" and not self.sharded:
@@ -285,9 +282,7 @@ class PeriodicAveragingStrategy(ReplicaGroupMember, GradsyncStrategy):
     # ---- fault-tolerant replica groups (torchft) -----------------------------------------------
     def _unsupported_across_groups(self) -> list:
         return [
-            # their state is the same on every rank (PowerSGD's Q) or owned by a rank's share of the
-            # world (sign's second hop): a group that heals, or a quorum of another size, breaks it
-            (self.codec in ("sign", "powersgd"), "codec", self.codec, "int8"),
+            codec_across_groups(self.codec),
             (self.fragments != 1, "fragments", self.fragments, 1),
             (self.sync_delay != 0, "sync_delay", self.sync_delay, 0),
             (self.overlap, "overlap", self.overlap, False),
@@ -324,9 +319,12 @@ class PeriodicAveragingStrategy(ReplicaGroupMember, GradsyncStrategy):
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         algorithm = self.algorithm
+        started = time.perf_counter()
         algorithm.before_step()  # the hook reads the same count during this step's backward
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         algorithm.after_step()
+        if self.replicas is not None:
+            self.replicas.telemetry.note_step(time.perf_counter() - started)
         return output
 
     def averaged_over(self) -> tuple[Optional[Any], int]:
@@ -426,8 +424,8 @@ def _drop_shard_shaped(out: Any) -> None:
 
 class _JoinedRound:
     """The algorithm's coordinator over a :class:`~gradsync.comm.managed.ReplicaGroup`: one quorum per
-    round (a round that already formed its quorum, as the join does, does not ask again). A round that is
-    dropped leaves the reducer's state (error-feedback residuals) as it was before the round."""
+    round (a round that already formed its quorum, as the join does, does not ask again). A round this
+    group drops leaves the reducer's state (error-feedback residuals) as it was before the round."""
 
     def __init__(self, replicas: Any, reducer: Callable[[], Reducer]) -> None:
         self.replicas, self.reducer, self.open = replicas, reducer, False
@@ -442,15 +440,13 @@ class _JoinedRound:
     def commit(self) -> bool:
         self.open = False
         ok = self.replicas.commit()
-        if not ok:
+        if not ok and self._mark is not None:
             self.reducer().roll_back(self._mark)
         self._mark = None
         return ok
 
     def mean(self, tensor: torch.Tensor, sync: Any) -> None:
-        self.replicas.allreduce_mean(tensor)
-        self.replicas.ledger.record("all_reduce", tensor.numel() * tensor.element_size(),
-                                    group_size=self.replicas.wire_size(), sync=sync)
+        self.replicas.mean(tensor, sync=sync)
 
 
 class _FinalRound(Callback):

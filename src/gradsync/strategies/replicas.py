@@ -1,7 +1,7 @@
 """What a strategy needs to train as one of several fault-tolerant replica groups (``--fault-tolerance torchft``).
 
-:class:`ReplicaGroupMember` is the part shared by ``sync`` (a quorum per optimizer step, torchft's FT-DDP)
-and ``local_sgd`` / ``diloco`` (a quorum per averaging round): the configuration and its refusals, the
+:class:`ReplicaGroupMember` is the part shared by ``sync`` and ``compressed`` (a quorum per optimizer step,
+torchft's FT-DDP: :class:`QuorumPerStep`) and ``local_sgd`` / ``diloco`` (a quorum per averaging round): the configuration and its refusals, the
 data split across groups, the state a healing group receives from a live one and how it takes it over,
 the configuration check between groups, and the telemetry in the run summary. When the quorums are
 formed and what crosses between groups is the strategy's own.
@@ -9,10 +9,24 @@ formed and what crosses between groups is the strategy's own.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import time
+from typing import Any, Callable, Optional
+
+import torch
 
 from gradsync.errors import GradsyncError, spell
 from gradsync.strategies.lightning_private import batches_that_stepped, set_batches_that_stepped
+
+
+#: Codecs whose state cannot follow a change of membership: PowerSGD's Q must be the same on every rank (a
+#: healed group's is not), and sign's second hop keeps a residual per rank's share of the world, which a
+#: quorum of another size reassigns.
+UNHEALABLE_CODECS = ("sign", "powersgd")
+
+
+def codec_across_groups(codec: str) -> tuple[bool, str, Any, Any]:
+    """The refusal entry (see :meth:`ReplicaGroupMember._unsupported_across_groups`) of a round's codec."""
+    return codec in UNHEALABLE_CODECS, "codec", codec, "int8"
 
 
 class ReplicaGroupMember:
@@ -123,3 +137,105 @@ class ReplicaGroupMember:
     def _leave_replica_groups(self) -> None:
         if self.replicas is not None:
             self.replicas.shutdown()
+
+
+class QuorumPerStep(ReplicaGroupMember):
+    """A quorum per optimizer step (torchft's fault-tolerant DDP): ``sync`` and ``compressed``.
+
+    Every step forms a quorum before its backward; DDP's buckets are collected and the step's gradients
+    cross between groups in one reduction (:func:`~gradsync.comm.ddp.whole_step_hook`) through the
+    strategy's :meth:`_step_reducer`. A restarted group heals inside a step of the others: it joins its
+    quorum and reduction sending zeros, takes a live group's state at the step's commit (inside the
+    optimizer closure) and applies the same mean. A step that a failure leaves uncommitted does not step
+    the optimizer and leaves the reducer's state (error-feedback residuals) as it was.
+    """
+
+    #: True for a step whose quorum holds groups past their first backward while this one is at its own
+    _behind_layout = False
+    #: lay each step's message out in the model's order (a codec's), not DDP's (see WholeStepState)
+    _canonical_layout = False
+    _step_state: Optional[Any] = None  # gradsync.comm.ddp.WholeStepState
+
+    def _unsupported_across_groups(self) -> list:
+        # (DDP never rebuilds its buckets with find_unused_parameters: the layouts the groups agree on
+        # assume it does)
+        return [(self.sharded, "shard", self.shard, "none"),  # type: ignore[attr-defined]
+                (self.find_unused_parameters, "find_unused_parameters", True, False)]  # type: ignore[attr-defined]
+
+    def _step_reducer(self) -> Any:
+        """The reducer of a step's gradients across the groups of its quorum (``self.replicas`` exists)."""
+        raise NotImplementedError
+
+    def _step_count(self) -> Any:
+        """The owner of the optimizer-step count (``num_steps``), which a healing group takes over."""
+        raise NotImplementedError
+
+    def _managed_hook(self) -> tuple[Any, Callable]:
+        """DDP's hook: each step's gradients, reduced over the groups of the step's quorum at once (the
+        quorum is formed in :meth:`_quorum_step` before backward; DDP calls this hook during backward)."""
+        from gradsync.comm.ddp import WholeStepState, whole_step_hook
+
+        module = self.lightning_module  # type: ignore[attr-defined]
+        floating = [name for name, b in module.named_buffers() if b.is_floating_point()]
+        if floating:
+            raise GradsyncError(
+                f"--fault-tolerance torchft with {self.strategy_name}: the model has floating-point buffers "  # type: ignore[attr-defined]
+                f"({floating[0]}, e.g. BatchNorm statistics), which replica groups do not share step by step yet; "
+                "use a model without them, or diloco / local_sgd, which average them at every round")
+        self.ledger.timed = True  # type: ignore[attr-defined]
+        self.replicas = self._new_replica_group()
+        state = WholeStepState(self._step_reducer(), steps=self._step_count(), canonical=self._canonical_layout,
+                               behind=lambda: self.replicas.healing or self._behind_layout)
+        self._step_state = state.bind(module.named_parameters())
+        return state, whole_step_hook
+
+    def _quorum_step(self, optimizer: Any, closure: Callable[[], Any], step: Callable[[Callable[[], Any]], Any]) -> Any:
+        """``step(managed_closure)`` (the strategy's own optimizer step) inside this step's quorum."""
+        replicas, started = self.replicas, time.perf_counter()
+        replicas.begin_round()  # this step's quorum; a group behind the others fetches a live one's state
+        if replicas.step == 0 and not replicas.healing:  # no step committed yet: groups that start together
+            if self._ft_fingerprint is not None:  # agree on the run first,
+                self._refuse_mismatch(replicas.disagreeing(self._ft_fingerprint), "the groups of this quorum")
+            self._agree_on_layout()  # and on how the step's message is laid out
+        reducer = self._step_state.reducer
+        mark = reducer.mark()
+        kept = [False]
+
+        def managed_closure() -> Any:
+            result = closure()  # backward: whole_step_hook reduces the gradients over the quorum
+            kept[0] = replicas.commit()  # (a healing group loads the live group's state here)
+            if not kept[0]:
+                # a group failed during the step: every gradient may be partial, the optimizer does not step
+                # (None: a mixed-precision scaler skips it too), and the codec's residuals are as before
+                reducer.roll_back(mark)
+                optimizer.zero_grad(set_to_none=True)
+                return None
+            return result
+
+        self._step_state.ready.clear()  # (the order of this step's last backward; accumulated ones came before)
+        try:
+            return step(managed_closure)
+        finally:
+            self._behind_layout = False
+            replicas.telemetry.note_step(time.perf_counter() - started, kept[0])
+
+    def _agree_on_layout(self) -> None:
+        """Before the first committed step, some groups may have run a backward already (a step 0 that a
+        failure undid) while a restarted one has not: DDP lays a process's first backward out in model
+        order and the rest in ready order, so the fresh group sends in the others' (one 4-byte all-reduce)."""
+        fresh = self._step_state.backwards == 0
+        flag = self.replicas.mean(torch.tensor([1.0 if fresh else 0.0]), purpose="control")
+        self._behind_layout = fresh and 0.0 < float(flag) < 1.0
+
+    def _shared_algorithm_state(self) -> Any:
+        return {"num_steps": self._step_count().num_steps}
+
+    def _load_shared_algorithm_state(self, state: Any) -> None:
+        self._step_count().num_steps = int(state["num_steps"])
+
+    def teardown(self) -> None:
+        self._leave_replica_groups()
+        super().teardown()  # type: ignore[misc]
+
+    def run_stats(self) -> dict:
+        return {**super().run_stats(), **self._replica_group_stats()}  # type: ignore[misc]

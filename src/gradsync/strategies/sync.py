@@ -6,18 +6,18 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from gradsync.comm.ddp import (AllReduceState, WholeStepState, allreduce_hook, allreduce_sum_hook,
-                               record_builtin_allreduce, whole_step_hook)
+from gradsync.algorithms import Schedule
+from gradsync.comm.ddp import AllReduceState, allreduce_hook, allreduce_sum_hook, record_builtin_allreduce
 from gradsync.comm.reducer import Reducer
-from gradsync.errors import GradsyncError, check
+from gradsync.errors import check
 from gradsync.strategies.base import GradsyncStrategy
-from gradsync.strategies.replicas import ReplicaGroupMember
+from gradsync.strategies.replicas import QuorumPerStep
 from gradsync.strategies.sharding import Shard, ShardDtype
 
 __all__ = ["AllReduceState", "SyncStrategy", "allreduce_hook", "allreduce_sum_hook"]
 
 
-class SyncStrategy(ReplicaGroupMember, GradsyncStrategy):
+class SyncStrategy(QuorumPerStep, GradsyncStrategy):
     """Synchronous data parallel: every step all ranks apply the mean of all ranks' gradients.
 
     The reduction is DDP's own (C++, bucketed, overlapped with backward), with no Python hook, so
@@ -85,86 +85,26 @@ class SyncStrategy(ReplicaGroupMember, GradsyncStrategy):
     _synced_steps = 0
 
     # ---- fault-tolerant replica groups (torchft's FT-DDP: a quorum per optimizer step) -------------
-    def _unsupported_across_groups(self) -> list:
-        # (DDP never rebuilds its buckets with find_unused_parameters: the layouts the groups agree on below
-        # assume it does)
-        return [(self.sharded, "shard", self.shard, "none"),
-                (self.find_unused_parameters, "find_unused_parameters", True, False)]
-
-    #: True for a step whose quorum holds groups past their first backward while this one is at its own
-    _behind_layout = False
-
-    def _managed_hook(self) -> tuple[Any, Callable]:
-        """Each step's gradients, averaged over the groups of the step's quorum in one all-reduce (the
-        group forms it in :meth:`optimizer_step` before backward; DDP calls this hook during backward)."""
+    def _step_reducer(self) -> Reducer:
         from gradsync.comm.managed import ManagedReducer
 
-        module = self.lightning_module
-        floating = [name for name, b in module.named_buffers() if b.is_floating_point()]
-        if floating:
-            raise GradsyncError(
-                f"--fault-tolerance torchft with sync: the model has floating-point buffers ({floating[0]}, e.g. "
-                "BatchNorm statistics), which replica groups do not share step by step yet; use a model without "
-                "them, or diloco / local_sgd, which average them at every round")
-        self.ledger.timed = True
-        self._steps = _StepCount()
-        self.replicas = self._new_replica_group()
-        reducer = ManagedReducer(self.replicas, ledger=self.ledger, divide_first=True)
-        state = WholeStepState(reducer, steps=self._steps, behind=lambda: self.replicas.healing or self._behind_layout)
-        self._hook_state = state.bind(module.named_parameters())
-        return state, whole_step_hook
+        # each group divides by the participants and the quorum sums, as DDP's own all-reduce does
+        return ManagedReducer(self.replicas, ledger=self.ledger, divide_first=True)
+
+    def _step_count(self) -> Schedule:
+        if self._steps is None:
+            self._steps = Schedule()  # the optimizer steps taken (a healing group takes over the others')
+        return self._steps
+
+    _steps: Optional[Schedule] = None
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        step = super().optimizer_step
         if self.replicas is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        replicas = self.replicas
-        replicas.begin_round()  # this step's quorum; a group behind the others fetches a live one's state
-        if replicas.step == 0 and not replicas.healing:  # no step committed yet: groups that start together
-            if self._ft_fingerprint is not None:  # agree on the run first,
-                self._refuse_mismatch(replicas.disagreeing(self._ft_fingerprint), "the groups of this quorum")
-            self._agree_on_layout()  # and on how the step's message is laid out
-
-        def managed_closure() -> Any:
-            result = closure()  # backward: whole_step_hook averages the gradients over the quorum
-            if not replicas.commit():  # (a healing group loads the live group's state here)
-                # a group failed during the step: every gradient may be partial, the optimizer does not step
-                # (None: a mixed-precision scaler skips it too)
-                optimizer.zero_grad(set_to_none=True)
-                return None
-            return result
-
-        self._hook_state.ready.clear()  # (the order of this step's last backward; accumulated ones came before)
+            return step(optimizer, closure, model, **kwargs)
         try:
-            return super().optimizer_step(optimizer, managed_closure, model, **kwargs)
+            return self._quorum_step(optimizer, closure, lambda managed: step(optimizer, managed, model, **kwargs))
         finally:
-            self._steps.num_steps += 1
-            self._behind_layout = False
-
-    def _agree_on_layout(self) -> None:
-        """Before the first committed step, some groups may have run a backward already (a step 0 that a
-        failure undid) while a restarted one has not: DDP lays a process's first backward out in model
-        order and the rest in ready order, so the fresh group sends in the others' (one 4-byte all-reduce)."""
-        fresh = self._hook_state.backwards == 0
-        flag = torch.tensor([1.0 if fresh else 0.0])
-        self.replicas.allreduce_mean(flag)
-        self.ledger.record("all_reduce", 4, group_size=self.replicas.wire_size(), purpose="control")
-        self._behind_layout = fresh and 0.0 < float(flag) < 1.0
-
-    def _shared_algorithm_state(self) -> Any:
-        return {"num_steps": self._steps.num_steps}
-
-    def _load_shared_algorithm_state(self, state: Any) -> None:
-        self._steps.num_steps = int(state["num_steps"])
-
-    def teardown(self) -> None:
-        self._leave_replica_groups()
-        super().teardown()
-
-    def run_stats(self) -> dict:
-        return {**super().run_stats(), **self._replica_group_stats()}
+            self._step_count().num_steps += 1
 
 
-class _StepCount:
-    """The optimizer steps of a fault-tolerant ``sync`` group (a healing group takes over the others')."""
-
-    num_steps = 0
