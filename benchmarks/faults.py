@@ -16,6 +16,8 @@ alternative. Each is compared with its own failure-free run:
 * **steps lost**: process-steps whose work never reached the model: the dead group's local steps since
   its last round and the steps the others took without it (a healed group), every process's steps since
   the last checkpoint (a restarted job, whose other processes stop while it restarts);
+* **process-steps kept**: 1 - steps lost ÷ all process-steps, which does not depend on how the groups share
+  this machine's cores (the goodput does: a dead group frees them for the others);
 * **final loss**: against the failure-free run's.
 """
 
@@ -236,7 +238,7 @@ def run(out: Path, quick: bool = False, every: Optional[float] = None, seed: int
     rep = Report("faults", "Lose a replica group about once a minute (torchft heal) vs whole-job restart: chargpt, "
                            "diloco, 3 groups", ["run", "steps", "failures", "seconds", "goodput", "recovery s (mean)",
                                                 "recovery s (max)", "of which start-up s", "process-steps lost",
-                                                "final val_loss",
+                                                "process-steps kept", "final val_loss",
                                                 "loss vs failure-free"], command=command_line())
     model = slowlink.QUICK_MODEL if quick else _whole_corpus(slowlink.with_batch(slowlink.MODEL, 8))
     # about four minutes of training here: three failures a minute apart, within one epoch (no epoch-end save)
@@ -276,7 +278,7 @@ def run(out: Path, quick: bool = False, every: Optional[float] = None, seed: int
         rep.rows.append([name, s["global_step"], len([e for e in events if e["event"] == "die"]), span,
                          base_span / span, (sum(r[0] for r in rec) / len(rec)) if rec else "-",
                          max((r[0] for r in rec), default="-"), (sum(r[3] for r in rec) / len(rec)) if rec else "-",
-                         lost if failed else 0, loss,
+                         lost if failed else 0, 1 - (lost if failed else 0) / (GROUPS * steps), loss,
                          f"{100 * (loss / base_loss - 1):+.2f}%" if loss and base_loss else "-"])
     rep.notes.append(f"failures: one every {every:.0f} s of the failure-free groups' pace ({pace:.2f} steps/s), "
                      f"victims drawn with seed {seed}: {', '.join(f'group {v} at step {s}' for v, s in plan)}; "
@@ -289,6 +291,12 @@ def run(out: Path, quick: bool = False, every: Optional[float] = None, seed: int
                      "--min-replicas 2 (heartbeat timeout 2 s, join timeout 5 s); the torchrun job checkpoints every "
                      f"{period} steps (each round) and restarts with --max-restarts. Recovery includes starting the process (a fresh interpreter importing torch "
                      "and Lightning); all processes share this machine's cores.")
+    rep.notes.append("goodput on this machine: three groups share two cores, so while a group is down (and after it "
+                     "heals over the steps it missed, which it never computes) the others step faster; goodput above "
+                     "1 is that, not a gain. process-steps kept (1 - lost / all) does not depend on the cores: for "
+                     "the healed groups it is the goodput that groups on machines of their own would see, less any "
+                     "wait of the survivors at a quorum; a restarted job also loses every process's time while it "
+                     "restarts, which only its goodput column holds.")
     rep.notes.append("a healed group starts from no error-feedback residual (what it owed died with it); the "
                      "survivors keep theirs.")
     rep.notes.append("goals (issue): goodput >= 0.90 with one failure a minute, recovery <= 10 s, final loss within "
