@@ -72,11 +72,11 @@ DIGITS = ("ft_probe.PacedDigits", "gradsync.recipes.digits.DigitsData")
 BATCHNORM = ("ecosystem_modules.BatchNormNet", "ecosystem_modules.RandomData")  # floating buffers
 
 
-def _group(index, lighthouse, out, *extra, env=None, model=DIGITS, strategy=DILOCO):
+def _group(index, lighthouse, out, *extra, env=None, model=DIGITS, strategy=DILOCO, groups=3):
     return cli_process.popen(
         _cmd("fit", "--model", model[0], "--data", model[1], *strategy,
              "--fault-tolerance", "torchft", "--lighthouse", lighthouse, "--replica-group", str(index),
-             "--replica-groups", "3", *TIMEOUT, "--output-dir", str(out / f"group{index}"), *extra),
+             "--replica-groups", str(groups), *TIMEOUT, "--output-dir", str(out / f"group{index}"), *extra),
         env=env or _env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -253,6 +253,82 @@ def test_without_a_failure_three_groups_train_exactly_as_one_three_process_job(t
     assert summary["strategy_stats"]["fault_tolerance"]["participants"]["per_round"] == [3] * quorums
 
 
+@pytest.mark.parametrize("strategy", [DILOCO, DILOCO_INT8], ids=["identity", "int8"])
+def test_two_groups_of_two_processes_train_exactly_as_one_job_of_two_nodes(tmp_path, lighthouse_of_two, strategy):
+    """A replica group of several processes is one replica with DDP inside (a node): each process meets its
+    local rank's peers in the other group and sends its half of the round; the same model, bit for bit, as a
+    four-process job whose nodes are two processes each."""
+    two = [*strategy[:-1], "2"]
+    groups = [_group(g, lighthouse_of_two, tmp_path, "--max-steps", "12", strategy=two, groups=2) for g in range(2)]
+    plain = cli_process.run(_cmd("fit", "--model", DIGITS[0], "--data", DIGITS[1], *strategy[:-1], "4",
+                                 "--strategy.scope", "node", "--strategy.procs_per_node", "2", "--max-steps", "12",
+                                 "--output-dir", str(tmp_path / "plain")),
+                            env=_env(), capture_output=True, text=True, timeout=200)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    for p in groups:
+        log = p.communicate(timeout=200)[0]
+        assert p.returncode == 0, log[-3000:]
+    reference = _weights(tmp_path / "plain")
+    for g in range(2):
+        w = _weights(tmp_path / f"group{g}")
+        assert all(torch.equal(w[k], reference[k]) for k in reference), f"group {g} differs from the job"
+    summary = json.loads((tmp_path / "group0" / "summary.json").read_text())
+    ft = summary["strategy_stats"]["fault_tolerance"]
+    assert ft["processes_per_group"] == 2 and ft["participants"]["per_round"] == [2] * 4
+    # DDP inside the group every step; between the groups, each process sends its half of a round's replica:
+    # the bytes of the job's nodes, hop by hop
+    scopes = summary["comm"]["by_scope"]
+    plain_scopes = json.loads((tmp_path / "plain" / "summary.json").read_text())["comm"]["by_scope"]
+    for hop in ("intra_node", "inter_node"):
+        assert scopes[hop]["wire_bytes"] == plain_scopes[hop]["wire_bytes"] > 0, (hop, scopes, plain_scopes)
+
+
+@pytest.fixture
+def lighthouse_of_one(tmp_path):
+    """A lighthouse that forms a quorum of one: a group goes on alone while the other is down."""
+    yield from _lighthouse(tmp_path, 1)
+
+
+def test_a_group_of_two_processes_that_torchrun_restarts_heals_rank_by_rank(tmp_path, lighthouse_of_one):
+    """One process of a two-process group dies; torchrun (``--max-restarts``) restarts the group from its
+    checkpoint; each of its processes heals from the live group's process of its local rank; both groups end
+    with the same model, and all four processes with the same algorithm state."""
+    lighthouse = lighthouse_of_one
+    steps, back = 40, tmp_path / "group1-is-back"
+    pace = _env(FT_STEP_SECONDS="0.05")
+    run = ("--max-steps", str(steps), "--checkpoint-every", "8", "--max-restarts", "1")
+    two = [*DILOCO_INT8[:-1], "2"]
+    survivor = _group(0, lighthouse, tmp_path, *run, strategy=two, groups=2,
+                      env={**pace, "FT_HOLD_AT": "20", "FT_HOLD_FILE": str(back)})
+    # rank 1 of group 1 dies at step 10 (mid-period); torchrun stops rank 0 and starts both again
+    victim = _group(1, lighthouse, tmp_path, *run, strategy=two, groups=2,
+                    env={**pace, "FT_DIE_AT": "10", "FT_DIE_RANK": "1", "FT_RESTARTED_FILE": str(back)})
+    logs = [p.communicate(timeout=240)[0] for p in (survivor, victim)]
+    for p, log in zip((survivor, victim), logs):
+        assert p.returncode == 0, log[-3000:]
+    summaries = [json.loads((tmp_path / f"group{g}" / "summary.json").read_text()) for g in range(2)]
+    ft = [s["strategy_stats"]["fault_tolerance"] for s in summaries]
+    assert all(s["global_step"] == steps for s in summaries)
+    # the survivor never restarted, and ended averaging over both groups
+    assert summaries[0]["restarts"] == 0 and ft[0]["participants"]["last"] == 2, ft[0]
+    # the restarted group resumed from its step-8 checkpoint, then healed into a round of the survivor's past
+    # the step it died at (when the survivor's quorum waited for it, the round it was in)
+    assert summaries[1]["restarts"] == 1 and summaries[1]["resumed_from_step"] == 8, summaries[1]
+    healed_to = 8 + ft[1]["steps_healed_over"]
+    assert ft[1]["heals"] >= 1 and ft[1]["heal_bytes"] > 0 and healed_to >= 12 and healed_to % 4 == 0, ft[1]
+    weights = [_weights(tmp_path / f"group{g}") for g in range(2)]
+    assert all(torch.equal(weights[1][k], weights[0][k]) for k in weights[0])
+    # every process of both groups: the same global parameters, outer momentum and counters
+    parts = [p for g in range(2) for p in read_parts(tmp_path / f"group{g}" / "checkpoints" / "last.ckpt")]
+    assert len(parts) == 4
+    for p in parts[1:]:
+        for a, b in zip(p["global_params"], parts[0]["global_params"]):
+            assert torch.equal(a, b)
+        for key, state in p["outer_optimizer"]["state"].items():
+            assert torch.equal(state["momentum_buffer"], parts[0]["outer_optimizer"]["state"][key]["momentum_buffer"])
+        assert p["num_steps"] == parts[0]["num_steps"] and p["outer_steps"] == parts[0]["outer_steps"]
+
+
 def test_a_group_alone_at_the_lighthouse_fails_in_one_line_after_the_timeout(tmp_path, lighthouse):
     r = cli_process.run(_cmd("fit", "--recipe", "digits", *DILOCO, "--max-steps", "8", "--fault-tolerance", "torchft",
                              "--lighthouse", lighthouse, "--replica-group", "0", "--replica-groups", "3", "--timeout", "2",
@@ -291,8 +367,11 @@ def test_an_unreachable_lighthouse_fails_in_one_line(tmp_path):
     (["--strategy", "diloco", "--strategy.codec", "powersgd"],
      "--fault-tolerance torchft: --strategy.codec powersgd is not supported across replica groups yet; use "
      "--strategy.codec int8"),
-    (["--strategy", "diloco", "--devices", "2"], "--fault-tolerance torchft: a replica group is one process for now; "
-                                                 "use --devices 1 --nnodes 1 per group and start one job per group"),
+    (["--strategy", "diloco", "--nnodes", "2"], "--fault-tolerance torchft: a replica group is one node for now; "
+                                                "use --nnodes 1 per group and start one job per group"),
+    (["--strategy", "sync", "--devices", "2"], "--fault-tolerance torchft: sync takes one process per replica group "
+                                               "for now; use --devices 1 per group, or diloco / local_sgd, whose "
+                                               "groups may hold several"),
     (["--strategy", "diloco", "--replica-group", "3"], "--replica-group 3: must be in 0..1 (one less than "
                                                        "--replica-groups)"),
 ])
@@ -343,13 +422,14 @@ def test_without_the_extra_one_line_names_it(monkeypatch):
         import_torchft()
 
 
-def test_print_launch_gives_the_lighthouse_and_one_job_per_replica_group(capsys, monkeypatch, tmp_path):
+@pytest.mark.parametrize("devices", [1, 2])
+def test_print_launch_gives_the_lighthouse_and_one_job_per_replica_group(capsys, monkeypatch, tmp_path, devices):
     from gradsync.cli.main import main, parse_run
 
     for var in ("TORCHFT_LIGHTHOUSE", "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS"):
         monkeypatch.delenv(var, raising=False)
     out_dir = tmp_path / "my run"
-    assert main(["fit", "--recipe", "digits", "--strategy", "diloco", "--devices", "1", "--fault-tolerance", "torchft",
+    assert main(["fit", "--recipe", "digits", "--strategy", "diloco", "--devices", str(devices), "--fault-tolerance", "torchft",
                  "--lighthouse", "http://lh.example:29600", "--replica-group", "1", "--replica-groups", "3",
                  "--output-dir", str(out_dir), "--max-steps", "100", "--print-launch"]) == 0
     printed = capsys.readouterr().out
@@ -363,6 +443,9 @@ def test_print_launch_gives_the_lighthouse_and_one_job_per_replica_group(capsys,
         ft = spec.fault_tolerance
         assert (ft.lighthouse, ft.replica_group, ft.replica_groups) == ("http://lh.example:29600", g, 3)
         assert spec.output_dir == out_dir / f"group{g}" and not spec.print_launch
+        assert spec.devices == ft.processes == devices
+    # one SLURM task per process of a group, each group on a node of its own
+    assert f"#SBATCH --ntasks-per-node={devices}\n" in sbatch and f"srun --nodes=1 --ntasks={devices} --exclusive" in sbatch
 
     # the sbatch script, run by bash with srun, hostname and gradsync standing in as functions that
     # print what they were given: every group starts with its id, the lighthouse's address and its own folder

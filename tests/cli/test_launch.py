@@ -57,6 +57,17 @@ def test_slurm_variables_map_to_ranks_and_address():
     assert not inside_launcher({k: v for k, v in SLURM_ENV.items() if k != "SLURM_STEP_ID"})  # sbatch script
 
 
+def test_a_step_on_part_of_the_allocation_takes_its_own_nodes_and_tasks():
+    """A replica group's step (``srun --nodes=1 --ntasks=2`` inside a three-node allocation): its rendezvous is
+    on its own first node, with its own two tasks."""
+    step = {**SLURM_ENV, "SLURM_JOB_NUM_NODES": "3", "SLURM_JOB_NODELIST": "gpu[07-09]", "SLURM_NTASKS_PER_NODE": "4",
+            "SLURM_STEP_NUM_TASKS": "2", "SLURM_NTASKS": "2", "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_NODELIST": "gpu09",
+            "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NODEID": "0"}
+    task = slurm_task(step)
+    assert (task.rank, task.local_rank, task.world_size, task.local_world_size) == (1, 1, 2, 2)
+    assert (task.node_rank, task.num_nodes, task.master_addr) == (0, 1, "gpu09")
+
+
 @pytest.mark.parametrize("nodelist, host", [("gpu[07-08]", "gpu07"), ("node1,node2", "node1"),
                                             ("a[3,5-9],b1", "a3"), ("single", "single")])
 def test_first_host_of_nodelist(nodelist, host):

@@ -383,11 +383,11 @@ def _fault_tolerance(d: dict):
     if not 0 <= values["replica_group"] < values["replica_groups"]:
         raise UsageError(f"--replica-group {values['replica_group']}: must be in 0..{values['replica_groups'] - 1} "
                          "(one less than --replica-groups)")
-    if d["devices"] != 1 or d["num_nodes"] != 1:
-        raise UsageError("--fault-tolerance torchft: a replica group is one process for now; use --devices 1 "
-                         "--nnodes 1 per group and start one job per group")
+    if d["num_nodes"] != 1:
+        raise UsageError("--fault-tolerance torchft: a replica group is one node for now; use --nnodes 1 per group "
+                         "and start one job per group")
     wait = {} if d["timeout"] is None else {"quorum_timeout": d["timeout"], "timeout": d["timeout"]}
-    return FaultToleranceConfig(lighthouse=lighthouse, **values, **wait)
+    return FaultToleranceConfig(lighthouse=lighthouse, **values, **wait, processes=d["devices"])
 
 
 def _typed(argv: Sequence[str], spellings: Sequence[str]) -> str:

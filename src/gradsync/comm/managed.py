@@ -1,6 +1,8 @@
 """Replica groups that survive one another's failures: torchft's Manager as gradsync's transport between groups.
 
-A *replica group* is one ``gradsync fit`` job (a node, or one process) holding one replica of the model.
+A *replica group* is one ``gradsync fit`` job (a node's processes, or one process) holding one replica of the
+model; with several processes, DDP keeps them equal inside it and each process meets the processes of the
+same local rank in the other groups.
 Replica groups find each other through torchft's Lighthouse (``gradsync lighthouse``); before every round
 each group asks its Manager for a *quorum* — the groups alive right now — and torchft reconfigures a
 gloo/NCCL process group over exactly those. A group that died drops out of the next quorum; one that
@@ -78,10 +80,12 @@ class FaultToleranceConfig:
     quorum_timeout: float = 300.0
     #: seconds any collective, commit or heal transfer may take (``--timeout``)
     timeout: float = 60.0
+    #: processes in this replica group (``--devices``): one replica, DDP inside the group
+    processes: int = 1
 
     def describe(self) -> dict:
         return {"engine": "torchft", "lighthouse": self.lighthouse, "replica_group": self.replica_group,
-                "replica_groups": self.replica_groups}
+                "replica_groups": self.replica_groups, "processes_per_group": self.processes}
 
 
 @dataclass
@@ -153,7 +157,12 @@ def _tensor_bytes(obj: Any) -> int:
 
 
 class ReplicaGroup:
-    """This job as one fault-tolerant replica group (one process per group).
+    """This job as one fault-tolerant replica group, from one of its processes.
+
+    Every process of the group runs a Manager: local rank 0's talks to the lighthouse for the group and
+    gathers the group's commit votes, and each process's process group joins the processes of its local
+    rank in the other groups of a quorum. A healing group's process of local rank ``r`` receives the state
+    of the donor's process of local rank ``r``.
 
     Args:
         config: the lighthouse and this group's index.
@@ -171,8 +180,16 @@ class ReplicaGroup:
         self.config, self.ledger = config, ledger
         self._user_state_dict, self._user_load = state_dict, load_state_dict
         self.telemetry = Telemetry()
-        # The group's own store: the Manager's server address and torchft's per-quorum keys live there.
-        self._store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        #: this process's local rank in the group, and the group's processes (the job's default process group)
+        self.rank, self.processes = _job_rank_and_size()
+        #: the address the other groups reach this group at (its store, when the quorum's process groups are
+        #: set up over it, and its Manager)
+        self.host = os.environ.get("GRADSYNC_FT_HOSTNAME", socket.gethostname())
+        # The group's own store, on its local rank 0: the Manager's server address and torchft's per-quorum
+        # keys live there.
+        self._store = (torch.distributed.TCPStore(self.host, 0, is_master=True, wait_for_workers=False)
+                       if self.rank == 0 else None)
+        self._store_port = _from_rank_0(self._store.port if self._store is not None else 0, self.processes)
         timeout = timedelta(seconds=config.timeout)
         try:
             self.manager = self._manager(Manager, ProcessGroupGloo, timeout)
@@ -189,10 +206,9 @@ class ReplicaGroup:
         return Manager(
             pg=self.pg, min_replica_size=1, load_state_dict=self._load,
             state_dict=self._user_state_dict, replica_id=f"gradsync_{config.replica_group}",
-            lighthouse_addr=config.lighthouse, store_addr="127.0.0.1", store_port=self._store.port, rank=0,
-            world_size=1, use_async_quorum=True, init_sync=False, timeout=timeout,
-            quorum_timeout=timedelta(seconds=config.quorum_timeout), connect_timeout=timeout,
-            hostname=os.environ.get("GRADSYNC_FT_HOSTNAME", socket.gethostname()))
+            lighthouse_addr=config.lighthouse, store_addr=self.host, store_port=self._store_port, rank=self.rank,
+            world_size=self.processes, use_async_quorum=True, init_sync=False, timeout=timeout,
+            quorum_timeout=timedelta(seconds=config.quorum_timeout), connect_timeout=timeout, hostname=self.host)
 
     # ---- rounds ----------------------------------------------------------------------------------
     def begin_round(self) -> None:
@@ -280,10 +296,10 @@ class ReplicaGroup:
         """A collective of this round failed already: the rest of the round sends nothing."""
         return self.manager.errored() is not None
 
-    def codec_reducer(self, spec: Any) -> Reducer:
+    def codec_reducer(self, spec: Any, scope: str = "world") -> Reducer:
         """The reducer of ``spec`` (a :class:`~gradsync.comm.CodecSpec`) across the groups of each quorum: the
         codec on the quorum's process group, in a :class:`ManagedCodec`, inside error feedback."""
-        return spec.build(ledger=self.ledger, group=self.pg, wrap=lambda codec: ManagedCodec(codec, self))
+        return spec.build(ledger=self.ledger, group=self.pg, scope=scope, wrap=lambda codec: ManagedCodec(codec, self))
 
     def disagreeing(self, fingerprint: dict[str, str]) -> list[str]:
         """The fields of ``fingerprint`` (field -> digest, the same on every group that runs the same job)
@@ -310,6 +326,26 @@ class ReplicaGroup:
 
 
 _AGREE_SLOTS = 128
+
+
+def _job_rank_and_size() -> tuple[int, int]:
+    """This process's rank in its job (its replica group) and the job's processes."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _from_rank_0(value: int, processes: int) -> int:
+    """``value`` as the job's rank 0 holds it, on every process of the job."""
+    if processes == 1:
+        return value
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return int(box[0])
 
 
 def _quorum_group(base: type) -> type:
@@ -352,7 +388,17 @@ class ManagedReducer(Reducer):
 
     def reduce(self, tensors: Sequence[torch.Tensor], *, names: Optional[Sequence[str]] = None,
                sync: Optional[Hashable] = None) -> torch.futures.Future:
-        tensors = list(tensors)
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(self._means(list(tensors), sync))
+        return fut
+
+    def run(self, tensors: list[torch.Tensor], names: list[str], sync: Hashable) -> Any:
+        """As :meth:`reduce`, as a step of an enclosing reducer (a group's processes each reduce their
+        share of the replica: :class:`~gradsync.comm.hierarchical.NodeReducer`)."""
+        return self._means(tensors, sync), list(tensors)
+        yield  # pragma: no cover - a generator, as every reducer's run; its collectives block
+
+    def _means(self, tensors: list[torch.Tensor], sync: Optional[Hashable]) -> list:
         means: list[Optional[torch.Tensor]] = [None] * len(tensors)
         t0 = time.perf_counter()
         for _, idx in split_by_dtype(tensors).items():  # as IdentityReducer: one all-reduce per dtype
@@ -364,9 +410,7 @@ class ManagedReducer(Reducer):
             self.ledger.record("all_reduce", flat.numel() * flat.element_size(), group_size=self.replicas.wire_size(),
                                scope=self.scope, sync=sync, seconds=time.perf_counter() - t0)
             unflatten_into(means, flat, tensors, idx)
-        fut: torch.futures.Future = torch.futures.Future()
-        fut.set_result(means)
-        return fut
+        return means
 
     def world_size(self) -> int:
         return self.replicas.participants

@@ -71,9 +71,11 @@ def slurm_task(env: Mapping[str, str] = os.environ, master_port: Optional[int] =
     The port is the flag's, else ``MASTER_PORT``, else derived from the job id so that every task
     of the job agrees on it without talking.
     """
-    world = int(env["SLURM_NTASKS"])
-    nodes = int(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
-    per_node = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_STEP_TASKS_PER_NODE") or str(world // nodes)
+    # the step's own variables first: a step may run on part of the allocation (one replica group's node)
+    world = int(env.get("SLURM_STEP_NUM_TASKS") or env["SLURM_NTASKS"])
+    nodes = int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES") or 1)
+    per_node = (env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE")
+                or str(world // nodes))
     port = master_port or (int(env["MASTER_PORT"]) if "MASTER_PORT" in env
                            else 15000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
     return SlurmTask(
@@ -83,7 +85,8 @@ def slurm_task(env: Mapping[str, str] = os.environ, master_port: Optional[int] =
         local_world_size=int(re.match(r"\d+", per_node).group()),
         node_rank=int(env.get("SLURM_NODEID", 0)),
         num_nodes=nodes,
-        master_addr=env.get("MASTER_ADDR") or first_host(env.get("SLURM_JOB_NODELIST") or env["SLURM_NODELIST"]),
+        master_addr=env.get("MASTER_ADDR") or first_host(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+                                                         or env["SLURM_NODELIST"]),
         master_port=port,
     )
 
@@ -225,16 +228,17 @@ def _print_replica_groups(job: Sequence[str], ft: Any) -> str:
     lines += [
         "",
         "# SLURM: save the lines below as job.sbatch and submit with `sbatch job.sbatch`",
-        "# (the lighthouse runs on the batch host, the allocation's first node; one group per node)",
+        "# (the lighthouse runs on the batch host, the allocation's first node; one group per node, one task",
+        "# per process of the group)",
         "#!/bin/bash",
         f"#SBATCH --nodes={groups}",
-        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --ntasks-per-node={ft.processes}",
         "#SBATCH --job-name=gradsync",
         "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}",
         f"export TORCHFT_LIGHTHOUSE=http://$(hostname):{port} NUM_REPLICA_GROUPS={groups}",
         f"gradsync lighthouse --min-replicas {quorum} --port {port} &",
         f"for g in $(seq 0 {groups - 1}); do",
-        "  REPLICA_GROUP_ID=$g srun --nodes=1 --ntasks=1 --exclusive " + group_cmd("$g", []) + " &",
+        f"  REPLICA_GROUP_ID=$g srun --nodes=1 --ntasks={ft.processes} --exclusive " + group_cmd("$g", []) + " &",
         "done",
         "wait",
     ]

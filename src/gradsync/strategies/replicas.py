@@ -162,6 +162,13 @@ class QuorumPerStep(ReplicaGroupMember):
         return [(self.sharded, "shard", self.shard, "none"),  # type: ignore[attr-defined]
                 (self.find_unused_parameters, "find_unused_parameters", True, False)]  # type: ignore[attr-defined]
 
+    def enable_fault_tolerance(self, config: Any, fingerprint: Optional[dict[str, str]] = None) -> None:
+        if config.processes > 1:
+            raise GradsyncError(f"--fault-tolerance torchft: {self.strategy_name} takes one process per replica "  # type: ignore[attr-defined]
+                                "group for now; use --devices 1 per group, or diloco / local_sgd, whose groups may "
+                                "hold several")
+        super().enable_fault_tolerance(config, fingerprint)
+
     def _step_reducer(self) -> Any:
         """The reducer of a step's gradients across the groups of its quorum (``self.replicas`` exists)."""
         raise NotImplementedError
