@@ -86,12 +86,13 @@ class Payload(Protocol):
 
 class Coordinator(Protocol):
     """Membership around each round (fault-tolerant replica groups, :mod:`gradsync.comm.managed`):
-    :meth:`begin_round` before anything is sent, :meth:`commit` once the mean is known — False when a
+    :meth:`begin_round` before anything is sent (``fragment``: the fragment the round is for), :meth:`commit`
+    once the mean is known — False when a
     peer failed during the round, which is then dropped (nothing lands, every group keeps its values);
     :meth:`mean` averages a tensor over the groups of the round (the floating buffers, after their mean
     inside the group)."""
 
-    def begin_round(self) -> None: ...
+    def begin_round(self, fragment: int = 0) -> None: ...
 
     def commit(self) -> bool: ...
 
@@ -117,7 +118,7 @@ class Round:
         """Issue this fragment's reduction after local step ``s`` (from ``values``, default: the parameters now)."""
         a = self.algorithm
         if a.coordinator is not None:
-            a.coordinator.begin_round()
+            a.coordinator.begin_round(self.fragment)
         layout = a.layout
         indices = layout.fragments[self.fragment]
         values = layout.values(indices) if values is None else values

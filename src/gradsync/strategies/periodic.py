@@ -288,7 +288,6 @@ class PeriodicAveragingStrategy(ReplicaGroupMember, GradsyncStrategy):
     def _unsupported_across_groups(self) -> list:
         return [
             codec_across_groups(self.codec),
-            (self.fragments != 1, "fragments", self.fragments, 1),
             (self.sync_delay != 0, "sync_delay", self.sync_delay, 0),
             (self.overlap, "overlap", self.overlap, False),
             (self.warmup_steps != 0, "warmup_steps", self.warmup_steps, 0),
@@ -307,14 +306,14 @@ class PeriodicAveragingStrategy(ReplicaGroupMember, GradsyncStrategy):
         algorithm = self.algorithm
         self.replicas = self._new_replica_group()
         self._round_reducer = None
-        algorithm.coordinator = _JoinedRound(self.replicas, lambda: algorithm.reducer)
+        algorithm.coordinator = _JoinedRound(self.replicas, lambda: algorithm.reducer, self.schedule.fragments)
         algorithm.logical_world = self.world_size * self.fault_tolerance.replica_groups
         algorithm.coordinator.begin_round()
-        if self.replicas.healing:
+        if self.replicas.healing:  # in the others' round, of the fragment that round is for
             algorithm.before_step()
-            s = algorithm.schedule.local_steps
-            algorithm.rounds[0].prepare(s, "heal")
-            algorithm.rounds[0].land(s)
+            s, k = algorithm.schedule.local_steps, algorithm.coordinator.fragment
+            algorithm.rounds[k].prepare(s, "heal")
+            algorithm.rounds[k].land(s)
         else:
             if self._ft_fingerprint is not None:
                 self._refuse_mismatch(self.replicas.disagreeing(self._ft_fingerprint), "the groups of this quorum")
@@ -435,17 +434,29 @@ def _drop_shard_shaped(out: Any) -> None:
 class _JoinedRound:
     """The algorithm's coordinator over a :class:`~gradsync.comm.managed.ReplicaGroup`: one quorum per
     round (a round that already formed its quorum, as the join does, does not ask again). A round this
-    group drops leaves the reducer's state (error-feedback residuals) as it was before the round."""
+    group drops leaves the reducer's state (error-feedback residuals) as it was before the round.
 
-    def __init__(self, replicas: Any, reducer: Callable[[], Reducer]) -> None:
-        self.replicas, self.reducer, self.open = replicas, reducer, False
+    With fragments, a group that heals in a round learns which fragment the round is for from the live
+    groups: every group of a quorum that holds a healing one (its process group is larger than its
+    participants, which every member sees alike) all-reduces the round's fragment index, which the
+    healing group sends as zero and is not counted in, so the mean is the live groups' index."""
+
+    def __init__(self, replicas: Any, reducer: Callable[[], Reducer], fragments: int = 1) -> None:
+        self.replicas, self.reducer, self.fragments, self.open = replicas, reducer, fragments, False
         self._mark: Any = None
+        #: the fragment of the round in progress
+        self.fragment = 0
 
-    def begin_round(self) -> None:
+    def begin_round(self, fragment: int = 0) -> None:
         if not self.open:
-            self.replicas.begin_round()
+            replicas = self.replicas
+            replicas.begin_round()
             self._mark = self.reducer().mark()
             self.open = True
+            self.fragment = fragment
+            if self.fragments > 1 and replicas.wire_size() > replicas.participants:
+                index = replicas.mean(torch.tensor([float(fragment)]), purpose="control")
+                self.fragment = int(round(float(index)))
 
     def commit(self) -> bool:
         self.open = False
