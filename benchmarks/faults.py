@@ -3,8 +3,9 @@
 Three one-process replica groups of chargpt under ``diloco`` with ``int8`` meet at ``gradsync lighthouse``
 (a quorum of two) with ``--fault-tolerance torchft``. On a fixed, seeded schedule (one failure every ``period``
 seconds of the failure-free run's pace, the victim drawn with a seeded generator) a group dies with
-SIGKILL at the start of a training step and is started again at once; it heals from a live group
-while the other two train on. The same schedule, applied to one three-process job that torchrun
+SIGKILL at the start of a training step and torchrun (the group's ``--max-restarts``) starts it again at
+once, forked from its agent, which imported torch, Lightning and gradsync when the group started; it heals
+from a live group while the other two train on. The same schedule, applied to one three-process job that torchrun
 restarts whole (``--max-restarts``) from its last checkpoint (``--checkpoint-every``), is today's
 alternative. Each is compared with its own failure-free run:
 
@@ -136,17 +137,17 @@ class _Lighthouse:
 
 def run_groups(model: list[str], steps: int, period: int, out: Path, kills: dict[int, list[int]],
                timeout: float, env: Optional[dict] = None) -> dict:
-    """Three replica groups; ``kills[g]``: the steps at which group g dies (restarted at once each time)."""
+    """Three replica groups; ``kills[g]``: the steps at which group g dies. Each group is a job that torchrun
+    restarts (``--max-restarts``), as it would be run on a node of its own: its agent forks the new process."""
     events = out / "events"
     events.mkdir(parents=True)
     lighthouse = _Lighthouse(out)
-    pending = {g: list(kills.get(g, [])) for g in range(GROUPS)}
 
     def start(g: int) -> subprocess.Popen:
-        die = f"0:{pending[g].pop(0)}" if pending[g] else ""
+        die = ",".join(f"0:{step}" for step in kills.get(g, []))  # entry i: the i-th attempt dies there
         args = _fit_args(model, steps, period, out / f"group{g}")
-        args += ["--devices", "1", "--fault-tolerance", "torchft", "--lighthouse", lighthouse.address,
-                 "--replica-group", str(g), "--replica-groups", str(GROUPS)]
+        args += ["--devices", "1", "--max-restarts", str(len(kills.get(g, []))), "--fault-tolerance", "torchft",
+                 "--lighthouse", lighthouse.address, "--replica-group", str(g), "--replica-groups", str(GROUPS)]
         log = open(out / f"group{g}.log", "a")
         return subprocess.Popen(_gradsync(*args), env=_env(**{EVENTS_ENV: str(events), DIE_ENV: die,
                                                               "REPLICA_GROUP_ID": str(g), **(env or {})}),
@@ -160,12 +161,9 @@ def run_groups(model: list[str], steps: int, period: int, out: Path, kills: dict
                 code = p.poll()
                 if code is None:
                     continue
-                if code == -signal.SIGKILL:  # died on schedule: start it again at once
-                    procs[g] = start(g)
-                elif code == 0:
-                    del procs[g]
-                else:
+                if code != 0:
                     raise RuntimeError(f"replica group {g} failed ({code}): {(out / f'group{g}.log').read_text()[-3000:]}")
+                del procs[g]
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the replica groups did not finish within {timeout:.0f} s")
             time.sleep(0.05)
@@ -289,8 +287,11 @@ def run(out: Path, quick: bool = False, every: Optional[float] = None, seed: int
                      "healing or loading the checkpoint.")
     rep.notes.append(f"diloco period {period}, codec {CODEC} with error feedback, {steps} steps, lighthouse "
                      "--min-replicas 2 (heartbeat timeout 2 s, join timeout 5 s); the torchrun job checkpoints every "
-                     f"{period} steps (each round) and restarts with --max-restarts. Recovery includes starting the process (a fresh interpreter importing torch "
-                     "and Lightning); all processes share this machine's cores.")
+                     f"{period} steps (each round) and restarts with --max-restarts; so do the groups (each its own). A restarted "
+                     "group's process is forked by its torchrun agent, which imported torch, Lightning and gradsync "
+                     "when the group started (--fault-tolerance runs torchrun's agent in gradsync's launcher, with "
+                     "--start-method fork); the torchrun job's processes are fresh interpreters that import them "
+                     "again. All processes share this machine's cores.")
     rep.notes.append("goodput on this machine: three groups share two cores, so while a group is down (and after it "
                      "heals over the steps it missed, which it never computes) the others step faster; goodput above "
                      "1 is that, not a gain. process-steps kept (1 - lost / all) does not depend on the cores: for "

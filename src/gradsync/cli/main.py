@@ -578,8 +578,14 @@ def cmd_run(command: str, argv: list[str], spec: Any = None) -> int:
                                      "start node 0 too, or check --master-addr and --master-port (and --timeout)")
             with tempfile.TemporaryDirectory(prefix="gradsync-launch-") as handover:
                 # the workers take this parse instead of doing it again (same argv, so same result)
-                rc, rendezvous_timeout = launch.run_torchrun(launch.torchrun_command([command, *argv], cfg),
-                                                             launch.hand_over(spec, [command, *argv], handover))
+                given = launch.hand_over(spec, [command, *argv], handover)
+                if spec.fault_tolerance is not None:
+                    # a replica group: torchrun's agent here, its workers (and their restarts) forked from a
+                    # server that imported everything once, so a restarted process heals back in seconds
+                    rc, rendezvous_timeout = launch.run_elastic([command, *argv], cfg, given), None
+                else:
+                    rc, rendezvous_timeout = launch.run_torchrun(launch.torchrun_command([command, *argv], cfg),
+                                                                 given)
             if rendezvous_timeout:
                 wait = f" within {cfg.timeout:g} s" if cfg.timeout else ""
                 print(f"gradsync: error: not every node joined at {cfg.master_addr}:{cfg.master_port}{wait} "
