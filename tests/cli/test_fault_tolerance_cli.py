@@ -94,6 +94,18 @@ def _weights(run_dir):
     return torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
 
 
+def _same_algorithm_state(parts):
+    """Every process's checkpoint part holds the same diloco state: global parameters, outer momentum, counters
+    and the fragment schedule (which fragments the last round left equal), bit for bit."""
+    for p in parts[1:]:
+        for a, b in zip(p["global_params"], parts[0]["global_params"]):
+            assert torch.equal(a, b)
+        for key, state in p["outer_optimizer"]["state"].items():
+            assert torch.equal(state["momentum_buffer"], parts[0]["outer_optimizer"]["state"][key]["momentum_buffer"])
+        assert p["num_steps"] == parts[0]["num_steps"] and p["outer_steps"] == parts[0]["outer_steps"]
+        assert p["agreed"] == parts[0]["agreed"]
+
+
 def test_a_killed_group_drops_out_rejoins_heals_and_ends_identical(tmp_path, lighthouse_of_two):
     lighthouse = lighthouse_of_two
     steps, back = 60, tmp_path / "group2-is-back"
@@ -151,13 +163,7 @@ def test_a_killed_group_drops_out_rejoins_heals_and_ends_identical(tmp_path, lig
     for w in weights[1:]:
         assert all(torch.equal(w[k], weights[0][k]) for k in weights[0])
     parts = [read_parts(tmp_path / f"group{g}" / "checkpoints" / "last.ckpt")[0] for g in range(3)]
-    for p in parts[1:]:
-        for a, b in zip(p["global_params"], parts[0]["global_params"]):
-            assert torch.equal(a, b)
-        for key, state in p["outer_optimizer"]["state"].items():
-            assert torch.equal(state["momentum_buffer"], parts[0]["outer_optimizer"]["state"][key]["momentum_buffer"])
-        assert p["num_steps"] == parts[0]["num_steps"] and p["outer_steps"] == parts[0]["outer_steps"]
-        assert p["agreed"] == parts[0]["agreed"]  # the fragment schedule: which fragments the last round left equal
+    _same_algorithm_state(parts)
     # each group keeps its own error-feedback residuals (what int8 did not send of its own pseudo-gradient)
     residuals = [p["reducer"]["residuals"] for p in parts]
     assert all(residuals) and any(not torch.equal(residuals[2][k], residuals[0][k]) for k in residuals[0])
@@ -233,6 +239,22 @@ def test_a_killed_group_drops_out_of_the_steps_average_and_heals_into_a_step(tmp
         assert all(torch.equal(w[k], weights[0][k]) for k in weights[0])
 
 
+def _groups_end_as_the_job(tmp_path, groups, job):
+    """Run the plain job (``fit`` flags) for 12 steps while ``groups`` (12 steps each) train; every group must
+    end with the job's weights, bit for bit. Returns group 0's summary."""
+    plain = cli_process.run(_cmd("fit", *job, "--max-steps", "12", "--output-dir", str(tmp_path / "plain")),
+                            env=_env(), capture_output=True, text=True, timeout=200)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    for p in groups:
+        log = p.communicate(timeout=200)[0]
+        assert p.returncode == 0, log[-3000:]
+    reference = _weights(tmp_path / "plain")
+    for g in range(len(groups)):
+        w = _weights(tmp_path / f"group{g}")
+        assert all(torch.equal(w[k], reference[k]) for k in reference), f"group {g} differs from the job"
+    return json.loads((tmp_path / "group0" / "summary.json").read_text())
+
+
 # (local_sgd runs the same rounds: exact, tested by hand over 12 steps)
 @pytest.mark.parametrize("strategy, model", [(DILOCO, DIGITS), (DILOCO, BATCHNORM), (SYNC, DIGITS),
                                              (DILOCO_INT8, DIGITS), (COMPRESSED_INT8, DIGITS),
@@ -244,18 +266,7 @@ def test_without_a_failure_three_groups_train_exactly_as_one_three_process_job(t
     job does over its own (the parameters, and BatchNorm's statistics with them): the same model, bit for bit.
     ``sync`` and ``compressed`` form a quorum every step, ``diloco`` every round."""
     groups = [_group(g, lighthouse, tmp_path, "--max-steps", "12", model=model, strategy=strategy) for g in range(3)]
-    plain = cli_process.run(_cmd("fit", "--model", model[0], "--data", model[1],
-                                 *strategy[:-1], "3", "--max-steps", "12", "--output-dir", str(tmp_path / "plain")),
-                            env=_env(), capture_output=True, text=True, timeout=200)
-    assert plain.returncode == 0, plain.stderr[-3000:]
-    for p in groups:
-        log = p.communicate(timeout=200)[0]
-        assert p.returncode == 0, log[-3000:]
-    reference = _weights(tmp_path / "plain")
-    for g in range(3):
-        w = _weights(tmp_path / f"group{g}")
-        assert all(torch.equal(w[k], reference[k]) for k in reference), f"group {g} differs from the job"
-    summary = json.loads((tmp_path / "group0" / "summary.json").read_text())
+    summary = _groups_end_as_the_job(tmp_path, groups, ["--model", model[0], "--data", model[1], *strategy[:-1], "3"])
     # the join and 3 rounds, or one per step; fragments: the join, a fragment's round every 2 steps and the
     # final round of the fragment that last landed at step 10
     quorums = {id(DILOCO): 4, id(DILOCO_INT8): 4, id(DILOCO_INT8_FRAGMENTS): 8}.get(id(strategy), 12)
@@ -271,19 +282,8 @@ def test_two_groups_of_two_processes_train_exactly_as_one_job_of_two_nodes(tmp_p
     four-process job whose nodes are two processes each."""
     two = [*strategy[:-1], "2"]
     groups = [_group(g, lighthouse_of_two, tmp_path, "--max-steps", "12", strategy=two, groups=2) for g in range(2)]
-    plain = cli_process.run(_cmd("fit", "--model", DIGITS[0], "--data", DIGITS[1], *strategy[:-1], "4",
-                                 "--strategy.scope", "node", "--strategy.procs_per_node", "2", "--max-steps", "12",
-                                 "--output-dir", str(tmp_path / "plain")),
-                            env=_env(), capture_output=True, text=True, timeout=200)
-    assert plain.returncode == 0, plain.stderr[-3000:]
-    for p in groups:
-        log = p.communicate(timeout=200)[0]
-        assert p.returncode == 0, log[-3000:]
-    reference = _weights(tmp_path / "plain")
-    for g in range(2):
-        w = _weights(tmp_path / f"group{g}")
-        assert all(torch.equal(w[k], reference[k]) for k in reference), f"group {g} differs from the job"
-    summary = json.loads((tmp_path / "group0" / "summary.json").read_text())
+    summary = _groups_end_as_the_job(tmp_path, groups, ["--model", DIGITS[0], "--data", DIGITS[1], *strategy[:-1], "4",
+                                                        "--strategy.scope", "node", "--strategy.procs_per_node", "2"])
     ft = summary["strategy_stats"]["fault_tolerance"]
     assert ft["processes_per_group"] == 2 and ft["participants"]["per_round"] == [2] * 4
     # DDP inside the group every step; between the groups, each process sends its half of a round's replica:
@@ -332,12 +332,7 @@ def test_a_group_of_two_processes_that_torchrun_restarts_heals_rank_by_rank(tmp_
     # every process of both groups: the same global parameters, outer momentum and counters
     parts = [p for g in range(2) for p in read_parts(tmp_path / f"group{g}" / "checkpoints" / "last.ckpt")]
     assert len(parts) == 4
-    for p in parts[1:]:
-        for a, b in zip(p["global_params"], parts[0]["global_params"]):
-            assert torch.equal(a, b)
-        for key, state in p["outer_optimizer"]["state"].items():
-            assert torch.equal(state["momentum_buffer"], parts[0]["outer_optimizer"]["state"][key]["momentum_buffer"])
-        assert p["num_steps"] == parts[0]["num_steps"] and p["outer_steps"] == parts[0]["outer_steps"]
+    _same_algorithm_state(parts)
 
 
 def test_a_group_alone_at_the_lighthouse_fails_in_one_line_after_the_timeout(tmp_path, lighthouse):

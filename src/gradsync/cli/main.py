@@ -582,7 +582,7 @@ def cmd_run(command: str, argv: list[str], spec: Any = None) -> int:
                 if spec.fault_tolerance is not None:
                     # a replica group: torchrun's agent here, its workers (and their restarts) forked from a
                     # server that imported everything once, so a restarted process heals back in seconds
-                    rc, rendezvous_timeout = launch.run_elastic([command, *argv], cfg, given), None
+                    rc, rendezvous_timeout = launch.run_elastic([command, *argv], cfg, elastic_worker, given), None
                 else:
                     rc, rendezvous_timeout = launch.run_torchrun(launch.torchrun_command([command, *argv], cfg),
                                                                  given)
@@ -599,6 +599,13 @@ def cmd_run(command: str, argv: list[str], spec: Any = None) -> int:
 
     execute(spec)
     return 0
+
+
+def elastic_worker(argv: list[str]) -> None:
+    """A worker of :func:`gradsync.platform.launch.run_elastic`: ``gradsync <argv>``, exiting with its status."""
+    rc = main(list(argv))
+    if rc:
+        sys.exit(rc)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -30,12 +30,12 @@ import torch.distributed as dist
 
 from gradsync.comm.codecs.common import flatten, pad_to, unflatten
 from gradsync.comm.futures import Reduction
-from gradsync.comm.reducer import Reducer
+from gradsync.comm.reducer import Reducer, WrappingReducer
 
 INTRA, INTER = "intra_node", "inter_node"
 
 
-class NodeReducer(Reducer):
+class NodeReducer(WrappingReducer):
     """Full-precision reduce-scatter and all-gather in ``intra``; ``inner`` (any codec) across nodes."""
 
     def __init__(self, inner: Reducer, *, intra: Optional[dist.ProcessGroup], replicated: bool = False) -> None:
@@ -78,11 +78,3 @@ class NodeReducer(Reducer):
                                                        **self.account(sync))
         return unflatten(gathered[:n], tensors), None
 
-    def state_dict(self) -> dict:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.inner.load_state_dict(state)
-
-    def runtime_state_names(self) -> list[str]:
-        return self.inner.runtime_state_names()

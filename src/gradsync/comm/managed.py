@@ -34,7 +34,7 @@ from typing import Any, Callable, Hashable, Optional, Sequence
 import torch
 
 from gradsync.comm.ledger import TRAIN, CommLedger
-from gradsync.comm.reducer import Reducer, split_by_dtype, unflatten_into
+from gradsync.comm.reducer import Reducer, WrappingReducer, split_by_dtype, unflatten_into
 from gradsync.errors import GradsyncError
 
 #: torchft's own environment names, read as fallbacks of the flags.
@@ -416,7 +416,7 @@ class ManagedReducer(Reducer):
         return self.replicas.participants
 
 
-class ManagedCodec(Reducer):
+class ManagedCodec(WrappingReducer):
     """A lossy codec's reducer (``inner``, built on the quorum's process group) across the replica groups of a
     quorum, with the semantics of torchft's managed all-reduce around it:
 
@@ -459,18 +459,6 @@ class ManagedCodec(Reducer):
 
     def world_size(self) -> int:
         return self.replicas.participants
-
-    def state_dict(self) -> dict:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.inner.load_state_dict(state)
-
-    def runtime_state_names(self) -> list[str]:
-        return self.inner.runtime_state_names()
-
-    def options(self) -> dict:
-        return self.inner.options()
 
 
 def _unsent(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -133,6 +133,24 @@ class Reducer:
         return f"{type(self).__name__}({opts})"
 
 
+class WrappingReducer(Reducer):
+    """A reducer around another (``self.inner``), whose runtime state and options are the inner one's."""
+
+    inner: Reducer
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)
+
+    def runtime_state_names(self) -> list[str]:
+        return self.inner.runtime_state_names()
+
+    def options(self) -> dict[str, Any]:
+        return self.inner.options()
+
+
 def unflatten_into(out: list, flat: torch.Tensor, tensors: Sequence[torch.Tensor], indices: Sequence[int]) -> None:
     """``out[i]`` = the view of ``flat`` shaped like ``tensors[i]``, for ``indices`` laid end to end in ``flat``."""
     pos = 0

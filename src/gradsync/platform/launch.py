@@ -21,7 +21,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 TORCHRUN_VARS = ("TORCHELASTIC_RUN_ID", "LOCAL_RANK")
 DEFAULT_PORT = 29500
@@ -389,7 +389,8 @@ def run_torchrun(cmd: list[str], extra_env: Optional[Mapping[str, str]] = None) 
 PRELOAD = ["gradsync.cli.main", "gradsync.platform.run", "gradsync.recipes", "gradsync.comm.managed", "torchft"]
 
 
-def run_elastic(argv: Sequence[str], cfg: LaunchConfig, extra_env: Optional[Mapping[str, str]] = None) -> int:
+def run_elastic(argv: Sequence[str], cfg: LaunchConfig, worker: Callable[[list[str]], None],
+                extra_env: Optional[Mapping[str, str]] = None) -> int:
     """Run ``gradsync <argv>`` under torchrun's elastic agent, in this process, with workers forked from it
     once it has imported torch, Lightning and gradsync (torchrun's ``--start-method fork``).
 
@@ -399,7 +400,8 @@ def run_elastic(argv: Sequence[str], cfg: LaunchConfig, extra_env: Optional[Mapp
     under ``--fault-tolerance torchft`` a replica group whose process died is back in the quorum, healed,
     that much sooner. Should an import have initialized CUDA here (which a forked child cannot use), the
     workers are forked from a fresh server instead (``forkserver``, the same imports made there once).
-    Returns the exit status (2 when every failed worker stopped on a user error)."""
+    ``worker(argv)`` is each worker's body (the CLI's own entry point). Returns the exit status (2 when every
+    failed worker stopped on a user error)."""
     import multiprocessing
 
     from torch.distributed import run as torchrun
@@ -421,7 +423,7 @@ def run_elastic(argv: Sequence[str], cfg: LaunchConfig, extra_env: Optional[Mapp
     args = torchrun.parse_args([*torchrun_args(cfg), "--start-method", method, "-m", "gradsync.cli.main"])
     config, _, _ = torchrun.config_from_args(args)
     try:
-        elastic_launch(config, elastic_worker)(list(argv))
+        elastic_launch(config, worker)(list(argv))
     except ChildFailedError as exc:
         codes = [f.exitcode for f in exc.failures.values()]
         return 2 if codes and all(c == 2 for c in codes) else 1
@@ -434,15 +436,6 @@ def torch_cuda_initialized() -> bool:
     import torch
 
     return bool(torch.cuda.is_initialized())
-
-
-def elastic_worker(argv: list[str]) -> None:
-    """A worker of :func:`run_elastic`: ``gradsync <argv>``, exiting with its status."""
-    from gradsync.cli.main import main
-
-    rc = main(list(argv))
-    if rc:
-        sys.exit(rc)
 
 
 def missing_master_address(cfg: LaunchConfig, env: Mapping[str, str] = os.environ) -> Optional[str]:
