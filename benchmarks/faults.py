@@ -289,7 +289,7 @@ def run(out: Path, quick: bool = False, every: Optional[float] = None, seed: int
                      "--min-replicas 2 (heartbeat timeout 2 s, join timeout 5 s); the torchrun job checkpoints every "
                      f"{period} steps (each round) and restarts with --max-restarts; so do the groups (each its own). A restarted "
                      "group's process is forked by its torchrun agent, which imported torch, Lightning and gradsync "
-                     "when the group started (--fault-tolerance runs torchrun's agent in gradsync's launcher, with "
+                     "when the group started (--fault-tolerance runs torchrun's agent as python -m gradsync.cli.elastic, with "
                      "--start-method fork); the torchrun job's processes are fresh interpreters that import them "
                      "again. All processes share this machine's cores.")
     rep.notes.append("goodput on this machine: three groups share two cores, so while a group is down (and after it "

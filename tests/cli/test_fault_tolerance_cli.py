@@ -345,8 +345,11 @@ def test_a_group_alone_at_the_lighthouse_fails_in_one_line_after_the_timeout(tmp
     assert line.startswith(f"gradsync: error: fault tolerance: no quorum at the lighthouse {lighthouse} within 2 s"), line
 
 
-def test_an_unreachable_lighthouse_fails_in_one_line(tmp_path):
-    r = cli_process.run(_cmd("fit", "--recipe", "digits", *DILOCO, "--max-steps", "8", "--fault-tolerance", "torchft",
+@pytest.mark.parametrize("devices", ["1", "2"])
+def test_an_unreachable_lighthouse_fails_in_one_line(tmp_path, devices):
+    """Also from a group of two processes, whose launcher runs torchrun's agent: one line, no traceback."""
+    r = cli_process.run(_cmd("fit", "--recipe", "digits", *DILOCO[:-1], devices, "--max-steps", "8",
+                             "--fault-tolerance", "torchft",
                              "--lighthouse", "http://127.0.0.1:9", "--replica-group", "0", "--replica-groups", "2",
                              "--timeout", "3", "--output-dir", str(tmp_path / "run")),
                         env=_env(), capture_output=True, text=True, timeout=120)
@@ -354,6 +357,7 @@ def test_an_unreachable_lighthouse_fails_in_one_line(tmp_path):
     line = r.stderr.strip().splitlines()[-1]
     assert line.startswith("gradsync: error: fault tolerance: cannot reach the lighthouse http://127.0.0.1:9 ("), line
     assert line.endswith("start it with `gradsync lighthouse --min-replicas N` and pass its address to --lighthouse")
+    assert "Traceback" not in r.stderr and r.stderr.count("gradsync: error:") == 1, r.stderr[-3000:]
 
 
 @pytest.mark.parametrize("flags, message", [

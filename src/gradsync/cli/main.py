@@ -578,14 +578,11 @@ def cmd_run(command: str, argv: list[str], spec: Any = None) -> int:
                                      "start node 0 too, or check --master-addr and --master-port (and --timeout)")
             with tempfile.TemporaryDirectory(prefix="gradsync-launch-") as handover:
                 # the workers take this parse instead of doing it again (same argv, so same result)
-                given = launch.hand_over(spec, [command, *argv], handover)
-                if spec.fault_tolerance is not None:
-                    # a replica group: torchrun's agent here, its workers (and their restarts) forked from a
-                    # server that imported everything once, so a restarted process heals back in seconds
-                    rc, rendezvous_timeout = launch.run_elastic([command, *argv], cfg, elastic_worker, given), None
-                else:
-                    rc, rendezvous_timeout = launch.run_torchrun(launch.torchrun_command([command, *argv], cfg),
-                                                                 given)
+                # a replica group: torchrun's agent with its workers (and their restarts) forked from it
+                # once it imported everything, so a restarted process heals back in seconds
+                run = launch.elastic_command if spec.fault_tolerance is not None else launch.torchrun_command
+                rc, rendezvous_timeout = launch.run_torchrun(run([command, *argv], cfg),
+                                                             launch.hand_over(spec, [command, *argv], handover))
             if rendezvous_timeout:
                 wait = f" within {cfg.timeout:g} s" if cfg.timeout else ""
                 print(f"gradsync: error: not every node joined at {cfg.master_addr}:{cfg.master_port}{wait} "
@@ -602,7 +599,8 @@ def cmd_run(command: str, argv: list[str], spec: Any = None) -> int:
 
 
 def elastic_worker(argv: list[str]) -> None:
-    """A worker of :func:`gradsync.platform.launch.run_elastic`: ``gradsync <argv>``, exiting with its status."""
+    """A worker of :func:`gradsync.platform.launch.run_elastic` (``python -m gradsync.cli.elastic``): ``gradsync
+    <argv>``, exiting with its status."""
     rc = main(list(argv))
     if rc:
         sys.exit(rc)

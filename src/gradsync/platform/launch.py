@@ -386,31 +386,36 @@ def run_torchrun(cmd: list[str], extra_env: Optional[Mapping[str, str]] = None) 
 
 #: what an elastic job's agent imports once, before it forks the workers (:func:`run_elastic`); a module that is
 #: not installed is left out
-PRELOAD = ["gradsync.cli.main", "gradsync.platform.run", "gradsync.recipes", "gradsync.comm.managed", "torchft"]
+PRELOAD = ["gradsync.platform.run", "gradsync.recipes", "gradsync.comm.managed", "torchft"]
+
+#: the module that runs :func:`run_elastic` as a command (:func:`elastic_command`)
+ELASTIC_MODULE = "gradsync.cli.elastic"
 
 
-def run_elastic(argv: Sequence[str], cfg: LaunchConfig, worker: Callable[[list[str]], None],
-                extra_env: Optional[Mapping[str, str]] = None) -> int:
+def elastic_command(argv: Sequence[str], cfg: LaunchConfig, *, python: Optional[str] = None) -> list[str]:
+    """As :func:`torchrun_command`, for :func:`run_elastic`: torchrun's arguments, ``--``, then gradsync's."""
+    return [python or sys.executable, "-m", ELASTIC_MODULE, *torchrun_args(cfg), "--", *argv]
+
+
+def run_elastic(argv: Sequence[str], torchrun_argv: Sequence[str], worker: Callable[[list[str]], None]) -> int:
     """Run ``gradsync <argv>`` under torchrun's elastic agent, in this process, with workers forked from it
     once it has imported torch, Lightning and gradsync (torchrun's ``--start-method fork``).
 
     The agent, the rendezvous and the restart policy are torchrun's own: its configuration is parsed from
-    the same arguments as :func:`torchrun_command`'s. A worker that torchrun starts again after a failure
-    (``--max-restarts``) trains again in about a second instead of paying a new interpreter's start-up:
-    under ``--fault-tolerance torchft`` a replica group whose process died is back in the quorum, healed,
-    that much sooner. Should an import have initialized CUDA here (which a forked child cannot use), the
-    workers are forked from a fresh server instead (``forkserver``, the same imports made there once).
-    ``worker(argv)`` is each worker's body (the CLI's own entry point). Returns the exit status (2 when every
-    failed worker stopped on a user error)."""
+    torchrun's own arguments (``torchrun_argv``, :func:`torchrun_args`). A worker that torchrun starts again
+    after a failure (``--max-restarts``) trains again in about a second instead of paying a new
+    interpreter's start-up: under ``--fault-tolerance torchft`` a replica group whose process died is back
+    in the quorum, healed, that much sooner. Should an import have initialized CUDA here (which a forked
+    child cannot use), the workers are forked from a fresh server instead (``forkserver``, the same imports
+    made there once). ``worker(argv)`` is each worker's body (the CLI's own entry point). The launcher runs
+    this as a command (:func:`elastic_command`) through :func:`run_torchrun`, which reads its output as
+    torchrun's. Returns the exit status (2 when every failed worker stopped on a user error)."""
     import multiprocessing
 
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    # the workers have this process's environment
-    os.environ.update(extra_env or {})
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     for name in PRELOAD:
         try:
             importlib.import_module(name)
@@ -420,7 +425,7 @@ def run_elastic(argv: Sequence[str], cfg: LaunchConfig, worker: Callable[[list[s
     if torch_cuda_initialized():
         method = "forkserver"
         multiprocessing.set_forkserver_preload(PRELOAD)
-    args = torchrun.parse_args([*torchrun_args(cfg), "--start-method", method, "-m", "gradsync.cli.main"])
+    args = torchrun.parse_args([*torchrun_argv, "--start-method", method, "-m", "gradsync.cli.main"])
     config, _, _ = torchrun.config_from_args(args)
     try:
         elastic_launch(config, worker)(list(argv))
