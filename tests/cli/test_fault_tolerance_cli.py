@@ -91,7 +91,12 @@ def _wait_for(path, procs, timeout=180):
 
 
 def _weights(run_dir):
-    return torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    """The model of a run's last checkpoint (sharded: its shards, consolidated as ``gradsync export`` does)."""
+    from gradsync.cli.export import export
+
+    state = export(str(run_dir))[1]
+    assert state, f"{run_dir}: no model in its checkpoint"
+    return state
 
 
 def _same_algorithm_state(parts):
@@ -275,19 +280,31 @@ def test_without_a_failure_three_groups_train_exactly_as_one_three_process_job(t
     assert summary["strategy_stats"]["fault_tolerance"]["participants"]["per_round"] == [3] * quorums
 
 
-@pytest.mark.parametrize("strategy", [DILOCO, DILOCO_INT8], ids=["identity", "int8"])
-def test_two_groups_of_two_processes_train_exactly_as_one_job_of_two_nodes(tmp_path, lighthouse_of_two, strategy):
+NODES_OF_TWO = ["--strategy.scope", "node", "--strategy.procs_per_node", "2"]
+COMPRESSED_IDENTITY = ["--strategy", "compressed", "--strategy.codec", "identity", *SYNC[2:]]
+# FSDP2 inside each group: each process holds half the replica and its optimizer state
+DILOCO_INT8_SHARDED = [*DILOCO_INT8[:6], "--strategy.shard", "node", *DILOCO_INT8[6:]]
+
+
+# (diloco's identity rounds take the same ManagedReducer inside the hierarchical mean as sync's steps)
+@pytest.mark.parametrize("strategy, job, quorums", [(DILOCO_INT8, DILOCO_INT8, 4), (SYNC, COMPRESSED_IDENTITY, 12),
+                                                    (COMPRESSED_INT8, COMPRESSED_INT8, 12),
+                                                    (DILOCO_INT8_SHARDED, DILOCO_INT8_SHARDED, 4)],
+                         ids=["diloco-int8", "sync", "compressed-int8", "diloco-int8-shard-node"])
+def test_two_groups_of_two_processes_train_exactly_as_one_job_of_two_nodes(tmp_path, lighthouse_of_two, strategy,
+                                                                            job, quorums):
     """A replica group of several processes is one replica with DDP inside (a node): each process meets its
-    local rank's peers in the other group and sends its half of the round; the same model, bit for bit, as a
-    four-process job whose nodes are two processes each."""
+    local rank's peers in the other group and sends its half of the round or step; the same model, bit for
+    bit, as a four-process job whose nodes are two processes each (``sync``'s hierarchical mean is the
+    node-scoped ``compressed`` identity codec's)."""
     two = [*strategy[:-1], "2"]
     groups = [_group(g, lighthouse_of_two, tmp_path, "--max-steps", "12", strategy=two, groups=2) for g in range(2)]
-    summary = _groups_end_as_the_job(tmp_path, groups, ["--model", DIGITS[0], "--data", DIGITS[1], *strategy[:-1], "4",
-                                                        "--strategy.scope", "node", "--strategy.procs_per_node", "2"])
+    summary = _groups_end_as_the_job(tmp_path, groups, ["--model", DIGITS[0], "--data", DIGITS[1], *job[:-1], "4",
+                                                        *NODES_OF_TWO])
     ft = summary["strategy_stats"]["fault_tolerance"]
-    assert ft["processes_per_group"] == 2 and ft["participants"]["per_round"] == [2] * 4
-    # DDP inside the group every step; between the groups, each process sends its half of a round's replica:
-    # the bytes of the job's nodes, hop by hop
+    assert ft["processes_per_group"] == 2 and ft["participants"]["per_round"] == [2] * quorums
+    # DDP inside the group every step; between the groups, each process sends its half of a round's replica or
+    # of the step's group mean: the bytes of the job's nodes, hop by hop
     scopes = summary["comm"]["by_scope"]
     plain_scopes = json.loads((tmp_path / "plain" / "summary.json").read_text())["comm"]["by_scope"]
     for hop in ("intra_node", "inter_node"):
@@ -300,15 +317,17 @@ def lighthouse_of_one(tmp_path):
     yield from _lighthouse(tmp_path, 1)
 
 
-def test_a_group_of_two_processes_that_torchrun_restarts_heals_rank_by_rank(tmp_path, lighthouse_of_one):
+@pytest.mark.parametrize("strategy", [DILOCO_INT8_SHARDED, SYNC], ids=["diloco-int8-shard-node", "sync"])
+def test_a_group_of_two_processes_that_torchrun_restarts_heals_rank_by_rank(tmp_path, lighthouse_of_one, strategy):
     """One process of a two-process group dies; torchrun (``--max-restarts``) restarts the group from its
-    checkpoint; each of its processes heals from the live group's process of its local rank; both groups end
-    with the same model, and all four processes with the same algorithm state."""
+    checkpoint; each of its processes heals from the live group's process of its local rank (``diloco``: in a
+    round, ``sync``: inside a step); both groups end with the same model, and all four processes with the same
+    algorithm state."""
     lighthouse = lighthouse_of_one
     steps, back = 40, tmp_path / "group1-is-back"
     pace = _env(FT_STEP_SECONDS="0.05")
     run = ("--max-steps", str(steps), "--checkpoint-every", "8", "--max-restarts", "1")
-    two = [*DILOCO_INT8[:-1], "2"]
+    two = [*strategy[:-1], "2"]
     survivor = _group(0, lighthouse, tmp_path, *run, strategy=two, groups=2,
                       env={**pace, "FT_HOLD_AT": "20", "FT_HOLD_FILE": str(back)})
     # rank 1 of group 1 dies at step 10 (mid-period); torchrun stops rank 0 and starts both again
@@ -326,13 +345,24 @@ def test_a_group_of_two_processes_that_torchrun_restarts_heals_rank_by_rank(tmp_
     # the step it died at (when the survivor's quorum waited for it, the round it was in)
     assert summaries[1]["restarts"] == 1 and summaries[1]["resumed_from_step"] == 8, summaries[1]
     healed_to = 8 + ft[1]["steps_healed_over"]
-    assert ft[1]["heals"] >= 1 and ft[1]["heal_bytes"] > 0 and healed_to >= 12 and healed_to % 4 == 0, ft[1]
+    assert ft[1]["heals"] >= 1 and ft[1]["heal_bytes"] > 0, ft[1]
     weights = [_weights(tmp_path / f"group{g}") for g in range(2)]
     assert all(torch.equal(weights[1][k], weights[0][k]) for k in weights[0])
-    # every process of both groups: the same global parameters, outer momentum and counters
     parts = [p for g in range(2) for p in read_parts(tmp_path / f"group{g}" / "checkpoints" / "last.ckpt")]
     assert len(parts) == 4
-    _same_algorithm_state(parts)
+    if strategy is SYNC:  # healed inside a step of the survivor's from the one it died at (10) to its hold (20);
+        # from there on, the same optimizer state
+        assert 10 <= healed_to <= 20 and ft[1]["participants"]["last"] == 2, ft[1]
+        states = [torch.load(tmp_path / f"group{g}" / "checkpoints" / "last.ckpt", weights_only=True)
+                  ["optimizer_states"][0]["state"] for g in range(2)]
+        assert states[0] and all(torch.equal(v, states[1][i][k]) for i, s in states[0].items() for k, v in s.items()
+                                 if isinstance(v, torch.Tensor))
+        return
+    # diloco heals in a round; every process of both groups: the same global parameters, outer momentum and
+    # counters, each process of its own shard
+    assert healed_to >= 12 and healed_to % 4 == 0, ft[1]
+    _same_algorithm_state(parts[0::2])
+    _same_algorithm_state(parts[1::2])
 
 
 def test_a_group_alone_at_the_lighthouse_fails_in_one_line_after_the_timeout(tmp_path, lighthouse):
@@ -379,9 +409,9 @@ def test_an_unreachable_lighthouse_fails_in_one_line(tmp_path, devices):
      "--strategy.codec int8"),
     (["--strategy", "diloco", "--nnodes", "2"], "--fault-tolerance torchft: a replica group is one node for now; "
                                                 "use --nnodes 1 per group and start one job per group"),
-    (["--strategy", "sync", "--devices", "2"], "--fault-tolerance torchft: sync takes one process per replica group "
-                                               "for now; use --devices 1 per group, or diloco / local_sgd, whose "
-                                               "groups may hold several"),
+    (["--strategy", "compressed", "--strategy.codec", "int8", "--strategy.scope", "node", "--devices", "2"],
+     "--fault-tolerance torchft: --strategy.scope node is not supported across replica groups yet; use "
+     "--strategy.scope world"),
     (["--strategy", "diloco", "--replica-group", "3"], "--replica-group 3: must be in 0..1 (one less than "
                                                        "--replica-groups)"),
 ])

@@ -286,7 +286,7 @@ class CompressedStrategy(QuorumPerStep, GradsyncStrategy):
 
     def _step_reducer(self) -> Reducer:
         # (shard and powersgd, whose paths rebuild or read the per-bucket reducers, are refused above)
-        return self.replicas.codec_reducer(self.codec_spec)
+        return self._group_step_reducer(self.replicas.codec_reducer(self.codec_spec, self._across_scope()))
 
     def _step_count(self) -> Schedule:
         return self.schedule

@@ -222,8 +222,9 @@ class PeriodicAveragingStrategy(ReplicaGroupMember, GradsyncStrategy):
             scope = self.round_scope()
             reducer = (ManagedReducer(self.replicas, ledger=self.ledger, scope=scope) if self.codec == "identity"
                        else self.replicas.codec_reducer(self.codec_spec, scope))
-            if self.scope == "node" and self.topology.procs_per_node > 1:
+            if self.scope == "node" and self.topology.procs_per_node > 1 and not self.sharded:
                 # a group of several processes holds one replica: each sends its 1/K share across groups
+                # (sharded, each process holds its share already)
                 reducer = NodeReducer(reducer, intra=self.topology.intra, replicated=True)
             self._round_reducer = reducer
         if self._round_reducer is None:
@@ -291,13 +292,8 @@ class PeriodicAveragingStrategy(ReplicaGroupMember, GradsyncStrategy):
             (self.sync_delay != 0, "sync_delay", self.sync_delay, 0),
             (self.overlap, "overlap", self.overlap, False),
             (self.warmup_steps != 0, "warmup_steps", self.warmup_steps, 0),
-            (self.scope != "world", "scope", self.scope, "world"),
+            (self.scope != "world" and not self.sharded, "scope", self.scope, "world"),
         ]
-
-    def enable_fault_tolerance(self, config: Any, fingerprint: Optional[dict] = None) -> None:
-        super().enable_fault_tolerance(config, fingerprint)
-        if config.processes > 1:  # the group is one replica: DDP inside it every step, rounds between groups
-            self._set_scope("node", config.processes)
 
     def _join_replica_groups(self) -> None:
         """Join the quorum before the first step. A group behind the others (restarted after a failure)

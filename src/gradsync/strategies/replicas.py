@@ -57,6 +57,10 @@ class ReplicaGroupMember:
         import_torchft()
         self.fault_tolerance = config
         self._ft_fingerprint = fingerprint
+        if config.processes > 1 or self.sharded:  # type: ignore[attr-defined]
+            # the group is one replica, as a node of a node-scoped job is: DDP (or FSDP2, shard node) inside
+            # it, and each process meets the processes of its local rank in the other groups
+            self._set_scope("node", config.processes)  # type: ignore[attr-defined]
 
     @property
     def distributed_sampler_kwargs(self) -> dict:
@@ -97,8 +101,9 @@ class ReplicaGroupMember:
         progress = self._step_progress()
         # A quorum is formed inside an optimizer step, which Lightning counts as ready, and as completed
         # only once it returns: ``ready - completed`` says whether this group is inside one.
-        return {"module": self.lightning_module.state_dict(),  # type: ignore[attr-defined]
-                "optimizers": [o.state_dict() for o in self.optimizers],  # type: ignore[attr-defined]
+        # (Sharded, FSDP2: this process's shards, which the healing group's process of its local rank holds.)
+        return {"module": _local_parts(self.lightning_module.state_dict()),  # type: ignore[attr-defined]
+                "optimizers": [_local_parts(o.state_dict()) for o in self.optimizers],  # type: ignore[attr-defined]
                 "schedulers": [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
                 "algorithm": self._shared_algorithm_state(), "global_step": progress.ready,
                 "in_step": progress.ready - progress.completed, "batches_that_stepped": batches_that_stepped(trainer),
@@ -113,9 +118,12 @@ class ReplicaGroupMember:
             self._refuse_mismatch(differ, "this group and the one it heals from")
         module = self.lightning_module  # type: ignore[attr-defined]
         trainer = module.trainer
-        module.load_state_dict(state["module"])
-        for optimizer, saved in zip(self.optimizers, state["optimizers"]):  # type: ignore[attr-defined]
-            optimizer.load_state_dict(saved)
+        if self.sharded:  # type: ignore[attr-defined]
+            _load_shards(module, self.optimizers, state)  # type: ignore[attr-defined]
+        else:
+            module.load_state_dict(state["module"])
+            for optimizer, saved in zip(self.optimizers, state["optimizers"]):  # type: ignore[attr-defined]
+                optimizer.load_state_dict(saved)
         for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"]):
             config.scheduler.load_state_dict(saved)
         self._load_shared_algorithm_state(state["algorithm"])
@@ -137,6 +145,44 @@ class ReplicaGroupMember:
     def _leave_replica_groups(self) -> None:
         if self.replicas is not None:
             self.replicas.shutdown()
+
+
+def _local_parts(tree: Any) -> Any:
+    """``tree`` with every DTensor (an FSDP2 shard) replaced by this process's local tensor, which torchft's
+    transport sends as it sends any tensor (a DTensor would carry its device mesh)."""
+    from gradsync.algorithms.layout import local_part
+
+    if isinstance(tree, torch.Tensor):
+        return local_part(tree)
+    if isinstance(tree, dict):
+        return {k: _local_parts(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_local_parts(v) for v in tree)
+    return tree
+
+
+@torch.no_grad()
+def _load_shards(module: torch.nn.Module, optimizers: list, state: dict) -> None:
+    """A peer's local shards (:func:`_local_parts`) into this process's sharded module and optimizers: the
+    module's in place, the optimizers' state rebuilt as DTensors laid out as their parameters."""
+    from torch.distributed.tensor import DTensor
+
+    from gradsync.algorithms.layout import local_part
+
+    saved = state["module"]
+    for name, value in module.state_dict().items():
+        local_part(value).copy_(saved[name])
+    for optimizer, theirs in zip(optimizers, state["optimizers"]):
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        rebuilt = dict(theirs, state={})
+        for index, entries in theirs["state"].items():
+            p = params[int(index)]
+            rebuilt["state"][index] = {
+                key: (DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                      if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and v.shape == local_part(p).shape
+                      and v.dim() > 0 else v)
+                for key, v in entries.items()}
+        optimizer.load_state_dict(rebuilt)
 
 
 class QuorumPerStep(ReplicaGroupMember):
@@ -162,16 +208,27 @@ class QuorumPerStep(ReplicaGroupMember):
         return [(self.sharded, "shard", self.shard, "none"),  # type: ignore[attr-defined]
                 (self.find_unused_parameters, "find_unused_parameters", True, False)]  # type: ignore[attr-defined]
 
-    def enable_fault_tolerance(self, config: Any, fingerprint: Optional[dict[str, str]] = None) -> None:
-        if config.processes > 1:
-            raise GradsyncError(f"--fault-tolerance torchft: {self.strategy_name} takes one process per replica "  # type: ignore[attr-defined]
-                                "group for now; use --devices 1 per group, or diloco / local_sgd, whose groups may "
-                                "hold several")
-        super().enable_fault_tolerance(config, fingerprint)
-
     def _step_reducer(self) -> Any:
         """The reducer of a step's gradients across the groups of its quorum (``self.replicas`` exists)."""
         raise NotImplementedError
+
+    def _group_step_reducer(self, across: Any) -> Any:
+        """``across`` (a reducer between groups, of scope ``inter_node`` when the group holds several processes)
+        as the step's reducer: in a group of several processes, wrapped in the hierarchical mean — each process's
+        gradients averaged inside the group (reduce-scatter), its share of them across the groups, and the
+        group's shares gathered (as ``scope node`` does between the nodes of one job)."""
+        from gradsync.comm.hierarchical import NodeReducer
+
+        topology = self.topology  # type: ignore[attr-defined]
+        if self.scope == "node" and topology is not None and topology.procs_per_node > 1:  # type: ignore[attr-defined]
+            return NodeReducer(across, intra=topology.intra)
+        return across
+
+    def _across_scope(self) -> str:
+        """The ledger's scope of what crosses between groups (the slow hop of a node-scoped job)."""
+        from gradsync.comm.hierarchical import INTER
+
+        return INTER if self.scope == "node" else "world"  # type: ignore[attr-defined]
 
     def _step_count(self) -> Any:
         """The owner of the optimizer-step count (``num_steps``), which a healing group takes over."""
