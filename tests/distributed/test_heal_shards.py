@@ -7,16 +7,16 @@ import io
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh  # imported once, before the workers fork
+from torch.distributed.fsdp import fully_shard
 
+from gradsync.strategies.replicas import _load_shards, _local_parts
 from harness import run_gloo
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def _replica(seed: int):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     torch.manual_seed(seed)
     # 7 x 5 and 3 x 7 entries: shards of unequal sizes over two processes
     module = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
@@ -41,8 +41,6 @@ def _shards(module, optimizer) -> list:
 
 
 def _heal(rank: int, world: int) -> dict:
-    from gradsync.strategies.replicas import _load_shards, _local_parts
-
     donor, donor_opt = _replica(0)
     for s in range(3):
         _step(donor, donor_opt, s)

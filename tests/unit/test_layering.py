@@ -122,6 +122,9 @@ NOT_INTERNALS = {
     ("strategies/sync_batchnorm.py", "_BatchNorm"),  # torch's base of every BatchNorm (isinstance)
     ("strategies/compressed.py", "_normalize_weighted_gradients"),  # super(): gradsync's base
     ("strategies/compressed.py", "_unsupported_across_groups"),  # super(): gradsync's QuorumPerStep
+    ("cli/main.py", "_exit"),  # os._exit: a failed elastic worker does not wait for threads stuck on a dead peer
+    ("strategies/replicas.py", "_gradients_reduced"),  # super(): gradsync's base
+    ("strategies/replicas.py", "_shards_cross"),  # super(): gradsync's NodeSharding
 }
 
 

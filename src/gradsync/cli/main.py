@@ -603,7 +603,12 @@ def elastic_worker(argv: list[str]) -> None:
     <argv>``, exiting with its status."""
     rc = main(list(argv))
     if rc:
-        sys.exit(rc)
+        # A worker that failed (its error is printed) leaves at once: a thread still waiting on a dead peer
+        # (torchft's quorum, a collective) would hold its interpreter's exit until the agent's SIGTERM
+        # grace (30 s) runs out, and with it the group's restart.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -250,7 +250,7 @@ class GradsyncStrategy(RankCheckpointing, NodeSharding, NodeScope, CountedCollec
                 self._normalize_weighted_gradients(optimizer)
             if self.sharded:  # the node's mean gradient shards, averaged across nodes as the strategy says
                 self.reduce_gradient_shards(optimizer, self.lightning_module.trainer.global_step)
-            return result
+            return self._gradients_reduced(optimizer, result)
 
         try:
             if self.nonfinite_grads == "off":
@@ -271,6 +271,11 @@ class GradsyncStrategy(RankCheckpointing, NodeSharding, NodeScope, CountedCollec
             return result
         finally:
             self._weight_sum, self._weighted = 0.0, False
+
+    def _gradients_reduced(self, optimizer: Any, result: Any) -> Any:
+        """Called once a step's gradients are reduced, before the optimizer steps: what the closure returns
+        (None skips the step)."""
+        return result
 
     def _all_gradients_finite(self, optimizer: Any) -> bool:
         # shards differ per process: every process must be asked

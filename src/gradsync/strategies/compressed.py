@@ -205,7 +205,8 @@ class CompressedStrategy(QuorumPerStep, GradsyncStrategy):
     def configure_ddp(self) -> None:
         super().configure_ddp()
         if self.sharded:  # no DDP hook: the reducers run on the gradient shards after backward
-            reducer, warmup = self._build_reducers()
+            # (across replica groups: the codec across the groups of each step's quorum, no warm-up)
+            reducer, warmup = ((self._shard_reducer,) * 2 if self.replicas is not None else self._build_reducers())
             self._hook_state = ReducerHookState(reducer=reducer, warmup=warmup, warmup_steps=self.schedule.warmup_steps,
                                                 steps=self.schedule)
 
@@ -285,7 +286,7 @@ class CompressedStrategy(QuorumPerStep, GradsyncStrategy):
                 (self.scope != "world", "scope", self.scope, "world")]
 
     def _step_reducer(self) -> Reducer:
-        # (shard and powersgd, whose paths rebuild or read the per-bucket reducers, are refused above)
+        # (powersgd, whose path rebuilds the per-bucket reducers, is refused above)
         return self._group_step_reducer(self.replicas.codec_reducer(self.codec_spec, self._across_scope()))
 
     def _step_count(self) -> Schedule:

@@ -205,8 +205,7 @@ class QuorumPerStep(ReplicaGroupMember):
     def _unsupported_across_groups(self) -> list:
         # (DDP never rebuilds its buckets with find_unused_parameters: the layouts the groups agree on
         # assume it does)
-        return [(self.sharded, "shard", self.shard, "none"),  # type: ignore[attr-defined]
-                (self.find_unused_parameters, "find_unused_parameters", True, False)]  # type: ignore[attr-defined]
+        return [(self.find_unused_parameters, "find_unused_parameters", True, False)]  # type: ignore[attr-defined]
 
     def _step_reducer(self) -> Any:
         """The reducer of a step's gradients across the groups of its quorum (``self.replicas`` exists)."""
@@ -220,7 +219,9 @@ class QuorumPerStep(ReplicaGroupMember):
         from gradsync.comm.hierarchical import NodeReducer
 
         topology = self.topology  # type: ignore[attr-defined]
-        if self.scope == "node" and topology is not None and topology.procs_per_node > 1:  # type: ignore[attr-defined]
+        # (sharded: FSDP2 reduce-scattered the gradients inside the group, each process holds its share)
+        if (self.scope == "node" and topology is not None and topology.procs_per_node > 1  # type: ignore[attr-defined]
+                and not self.sharded):  # type: ignore[attr-defined]
             return NodeReducer(across, intra=topology.intra)
         return across
 
@@ -234,11 +235,8 @@ class QuorumPerStep(ReplicaGroupMember):
         """The owner of the optimizer-step count (``num_steps``), which a healing group takes over."""
         raise NotImplementedError
 
-    def _managed_hook(self) -> tuple[Any, Callable]:
-        """DDP's hook: each step's gradients, reduced over the groups of the step's quorum at once (the
-        quorum is formed in :meth:`_quorum_step` before backward; DDP calls this hook during backward)."""
-        from gradsync.comm.ddp import WholeStepState, whole_step_hook
-
+    def _join_step_quorums(self) -> None:
+        """Become a replica group (at set-up): refuse what groups cannot share step by step, then join."""
         module = self.lightning_module  # type: ignore[attr-defined]
         floating = [name for name, b in module.named_buffers() if b.is_floating_point()]
         if floating:
@@ -248,40 +246,72 @@ class QuorumPerStep(ReplicaGroupMember):
                 "use a model without them, or diloco / local_sgd, which average them at every round")
         self.ledger.timed = True  # type: ignore[attr-defined]
         self.replicas = self._new_replica_group()
+
+    def _managed_hook(self) -> tuple[Any, Callable]:
+        """DDP's hook: each step's gradients, reduced over the groups of the step's quorum at once (the
+        quorum is formed in :meth:`_quorum_step` before backward; DDP calls this hook during backward)."""
+        from gradsync.comm.ddp import WholeStepState, whole_step_hook
+
+        module = self.lightning_module  # type: ignore[attr-defined]
+        self._join_step_quorums()
         state = WholeStepState(self._step_reducer(), steps=self._step_count(), canonical=self._canonical_layout,
                                behind=lambda: self.replicas.healing or self._behind_layout)
         self._step_state = state.bind(module.named_parameters())
         return state, whole_step_hook
 
+    # ---- FSDP2 inside the group (shard node) ---------------------------------------------------
+    #: sharded: the reducer of each step's gradient shards across the groups (no DDP hook: FSDP2's
+    #: reduce-scatter inside the group, then this, after backward)
+    _shard_reducer: Optional[Any] = None
+
+    def configure_ddp(self) -> None:
+        super().configure_ddp()  # type: ignore[misc]
+        if self.fault_tolerance is not None and self.sharded:  # type: ignore[attr-defined]
+            self._join_step_quorums()
+            self._shard_reducer = self._step_reducer()
+
+    def _shards_cross(self) -> bool:
+        return self.replicas is not None or super()._shards_cross()  # type: ignore[misc]
+
+    # ---- a step inside its quorum -------------------------------------------------------------
+    #: inside :meth:`_quorum_step`: the reducer's mark to roll back to, and whether the step was kept
+    _in_step: Optional[tuple] = None
+    _kept = False
+
     def _quorum_step(self, optimizer: Any, closure: Callable[[], Any], step: Callable[[Callable[[], Any]], Any]) -> Any:
-        """``step(managed_closure)`` (the strategy's own optimizer step) inside this step's quorum."""
+        """``step(closure)`` (the strategy's own optimizer step) inside this step's quorum; the commit comes
+        once the step's gradients are reduced (:meth:`_gradients_reduced`)."""
         replicas, started = self.replicas, time.perf_counter()
         replicas.begin_round()  # this step's quorum; a group behind the others fetches a live one's state
         if replicas.step == 0 and not replicas.healing:  # no step committed yet: groups that start together
             if self._ft_fingerprint is not None:  # agree on the run first,
                 self._refuse_mismatch(replicas.disagreeing(self._ft_fingerprint), "the groups of this quorum")
-            self._agree_on_layout()  # and on how the step's message is laid out
-        reducer = self._step_state.reducer
-        mark = reducer.mark()
-        kept = [False]
-
-        def managed_closure() -> Any:
-            result = closure()  # backward: whole_step_hook reduces the gradients over the quorum
-            kept[0] = replicas.commit()  # (a healing group loads the live group's state here)
-            if not kept[0]:
-                # a group failed during the step: every gradient may be partial, the optimizer does not step
-                # (None: a mixed-precision scaler skips it too), and the codec's residuals are as before
-                reducer.roll_back(mark)
-                optimizer.zero_grad(set_to_none=True)
-                return None
-            return result
-
-        self._step_state.ready.clear()  # (the order of this step's last backward; accumulated ones came before)
+            if self._step_state is not None:
+                self._agree_on_layout()  # and on how the step's message is laid out (DDP's buckets)
+        reducer = self._step_state.reducer if self._step_state is not None else self._shard_reducer
+        self._in_step, self._kept = (reducer, reducer.mark()), False
+        if self._step_state is not None:
+            self._step_state.ready.clear()  # (the order of this step's last backward; accumulated ones came before)
         try:
-            return step(managed_closure)
+            return step(closure)
         finally:
-            self._behind_layout = False
-            replicas.telemetry.note_step(time.perf_counter() - started, kept[0])
+            self._in_step, self._behind_layout = None, False
+            replicas.telemetry.note_step(time.perf_counter() - started, self._kept)
+
+    def _gradients_reduced(self, optimizer: Any, result: Any) -> Any:
+        """The step's gradients are reduced over the quorum (by DDP's hook during backward, or after it for
+        gradient shards): commit, or drop the step."""
+        if self._in_step is None:
+            return super()._gradients_reduced(optimizer, result)  # type: ignore[misc]
+        reducer, mark = self._in_step
+        self._kept = self.replicas.commit()  # (a healing group loads the live group's state here)
+        if not self._kept:
+            # a group failed during the step: every gradient may be partial, the optimizer does not step
+            # (None: a mixed-precision scaler skips it too), and the codec's residuals are as before
+            reducer.roll_back(mark)
+            optimizer.zero_grad(set_to_none=True)
+            return None
+        return result
 
     def _agree_on_layout(self) -> None:
         """Before the first committed step, some groups may have run a backward already (a step 0 that a

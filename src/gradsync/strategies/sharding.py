@@ -165,6 +165,10 @@ class NodeSharding:
             self._grad_reducer = IdentityReducer(ledger=self.ledger, group=self.topology.inter, scope=INTER)
         return self._grad_reducer
 
+    def _shards_cross(self) -> bool:
+        """True when gradient shards cross to other processes of the same local rank (other nodes)."""
+        return self.topology.num_nodes > 1
+
     def parameter_names(self) -> dict[int, str]:
         return {id(p): name for name, p in self.lightning_module.named_parameters()}
 
@@ -178,7 +182,7 @@ class NodeSharding:
         names = self.parameter_names()
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         grads = [local(p.grad) for p in params]
-        if self.topology.num_nodes > 1:
+        if self._shards_cross():
             means = reducer.reduce(grads, names=[names.get(id(p), str(i)) for i, p in enumerate(params)],
                                    sync=("grad", step)).wait()
             for g, m in zip(grads, means):

@@ -52,7 +52,7 @@ class SyncStrategy(QuorumPerStep, GradsyncStrategy):
         self._set_scope("world", procs_per_node)
 
     def sharded_gradient_reducer(self) -> Reducer:
-        return self.inter_node_reducer()
+        return self._shard_reducer if self.replicas is not None else self.inter_node_reducer()
 
     #: True once :meth:`build_comm_hook` chose the summing hook: then backward divides the loss by N.
     _mean_in_loss = False
