@@ -134,6 +134,16 @@ def max_abs_diff(a: dict, b: dict) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
+def torchft_context() -> Any:
+    """A multiprocessing context for processes that run torchft beside a Rust lighthouse in this one (which a
+    plain fork crashes): a forkserver that imports torch, torchft, Lightning and gradsync once, so that each
+    process skips an interpreter's imports (the first caller's preload wins for the whole session)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torchft", "lightning", "gradsync.recipes", "gradsync.strategies",
+                                "gradsync.comm.managed"])
+    return ctx
+
+
 # ---- pure-torch process groups ------------------------------------------------------------------
 def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -17,6 +17,7 @@ def test_sharded_diloco_trains_from_the_cli_and_exports_one_state_dict(tmp_path,
     args = ["fit", "--recipe", "chargpt", "--model.n_layer", "2", "--model.n_embd", "64", "--strategy", "diloco",
             "--strategy.shard", "node", "--strategy.codec", "int8", "--strategy.procs_per_node", "2",
             "--strategy.period", "4", "--devices", "4", "--accelerator", "cpu", "--max-steps", "8",
+            "--data.max_chars", "200000", "--data.val_windows", "8",  # a slice of the corpus: start-up in seconds
             "--output-dir", str(out)]
     assert main(args) == 0
     summary = json.loads((out / "summary.json").read_text())

@@ -9,7 +9,6 @@ of a chunk's scale each), far from any mean that counts the healing group or div
 group keeps no residual; the dropped round leaves group 0's residuals as they were.
 """
 
-import multiprocessing
 import os
 import time
 
@@ -17,6 +16,8 @@ import pytest
 import torch
 
 torchft = pytest.importorskip("torchft", reason="the ft extra (pip install gradsync[ft]) is not installed")
+
+from harness import torchft_context  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -96,7 +97,7 @@ def test_an_int8_round_across_replica_groups_counts_the_participants_only(tmp_pa
     monkeypatch.setenv("RUST_LOG", "warn")
     server = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=3000)
     lighthouse = server.address()
-    ctx = multiprocessing.get_context("spawn")
+    ctx = torchft_context()
     round1_done, joining, everyone = ctx.Event(), ctx.Event(), ctx.Barrier(3)
     procs = [ctx.Process(target=_group, args=(g, lighthouse, str(tmp_path), round1_done, joining, everyone))
              for g in range(3)]

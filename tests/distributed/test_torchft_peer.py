@@ -8,7 +8,6 @@ gradsync rank's, recorded), with the same inner SGD and an outer Nesterov SGD (l
 ``init_sync`` is off so that neither replica takes the other's state at the first quorum.
 """
 
-import multiprocessing
 import os
 
 import pytest
@@ -16,7 +15,7 @@ import torch
 
 from gradsync.recipes import DigitsClassifier, DigitsData
 from gradsync.strategies import DiLoCoStrategy
-from harness import fit, max_abs_diff
+from harness import fit, max_abs_diff, torchft_context
 from test_peers import RecordBatches, model
 
 torchft = pytest.importorskip("torchft", reason="the ft extra (pip install gradsync[ft]) is not installed")
@@ -85,7 +84,7 @@ def test_diloco_equals_torchfts_diloco(tmp_path, monkeypatch, fragments):
     batches, ours = zip(*[torch.load(tmp_path / f"batches{r}.pt") for r in (0, 1)])
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
     try:
-        ctx = multiprocessing.get_context("spawn")  # a fork of a process running the Rust lighthouse crashes
+        ctx = torchft_context()  # a fork of a process running the Rust lighthouse crashes
         procs = [ctx.Process(target=_replica, args=(i, lighthouse.address(), batches[i], start, period, fragments,
                                                    str(tmp_path))) for i in (0, 1)]
         for p in procs:
