@@ -605,7 +605,14 @@ def elastic_worker(argv: list[str]) -> None:
     if rc:
         # A worker that failed (its error is printed) leaves at once: a thread still waiting on a dead peer
         # (torchft's quorum, a collective) would hold its interpreter's exit until the agent's SIGTERM
-        # grace (30 s) runs out, and with it the group's restart.
+        # grace (30 s) runs out, and with it the group's restart. (What the exit would have closed first: the
+        # W&B run, whose own exit hook is skipped.)
+        wandb = sys.modules.get("wandb")
+        if wandb is not None and getattr(wandb, "run", None) is not None:
+            try:
+                wandb.finish(exit_code=rc)
+            except Exception:  # noqa: BLE001 - the worker is failing already; its error is printed
+                pass
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(rc)

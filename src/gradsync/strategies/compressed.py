@@ -287,7 +287,7 @@ class CompressedStrategy(QuorumPerStep, GradsyncStrategy):
 
     def _step_reducer(self) -> Reducer:
         # (powersgd, whose path rebuilds the per-bucket reducers, is refused above)
-        return self._group_step_reducer(self.replicas.codec_reducer(self.codec_spec, self._across_scope()))
+        return self._within_group(self.replicas.codec_reducer(self.codec_spec, self._across_scope()))
 
     def _step_count(self) -> Schedule:
         return self.schedule

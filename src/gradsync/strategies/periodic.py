@@ -27,7 +27,7 @@ from gradsync.algorithms import PeriodicAveraging, Schedule
 from gradsync.algorithms.state import codec_change
 from gradsync.comm import CODEC_OPTIONS, Codec, CodecSpec
 from gradsync.comm.ddp import AllReduceState, allreduce_hook, local_hook
-from gradsync.comm.hierarchical import INTER, INTRA, NodeReducer
+from gradsync.comm.hierarchical import INTRA, NodeReducer
 from gradsync.comm.reducer import Reducer
 from gradsync.errors import GradsyncError, check, spell
 from gradsync.strategies.base import GradsyncStrategy
@@ -219,14 +219,11 @@ class PeriodicAveragingStrategy(ReplicaGroupMember, GradsyncStrategy):
         if self._round_reducer is None and self.replicas is not None:
             from gradsync.comm.managed import ManagedReducer
 
-            scope = self.round_scope()
+            scope = self._across_scope()
             reducer = (ManagedReducer(self.replicas, ledger=self.ledger, scope=scope) if self.codec == "identity"
                        else self.replicas.codec_reducer(self.codec_spec, scope))
-            if self.scope == "node" and self.topology.procs_per_node > 1 and not self.sharded:
-                # a group of several processes holds one replica: each sends its 1/K share across groups
-                # (sharded, each process holds its share already)
-                reducer = NodeReducer(reducer, intra=self.topology.intra, replicated=True)
-            self._round_reducer = reducer
+            # a group of several processes holds one replica: each sends its 1/K share across groups
+            self._round_reducer = self._within_group(reducer, replicated=True)
         if self._round_reducer is None:
             reducer = self.codec_spec.build(ledger=self.ledger, group=self.round_group(), scope=self.round_scope())
             if self.scope == "node" and not self.sharded:
@@ -249,7 +246,7 @@ class PeriodicAveragingStrategy(ReplicaGroupMember, GradsyncStrategy):
         return self.comm_group
 
     def round_scope(self) -> str:
-        return INTER if self.scope == "node" else "world"
+        return self._across_scope()
 
     def finish(self) -> None:
         """End of fit: apply anything in flight, then sync every fragment the ranks disagree on, once."""

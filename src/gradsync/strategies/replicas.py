@@ -82,6 +82,25 @@ class ReplicaGroupMember:
             raise GradsyncError(f"replica groups were started with different configurations: {', '.join(fields)} "
                                 f"differ ({between}); start every group with the same flags and code")
 
+    def _within_group(self, across: Any, *, replicated: bool = False) -> Any:
+        """``across`` (a reducer between the groups of a quorum) as this process's reducer: in a group of several
+        unsharded processes, wrapped in the hierarchical mean — each process's share of the group's mean
+        (``replicated``: of its replica) crosses to its local rank's peers, and the group gathers the shares
+        (as ``scope node`` does between the nodes of one job). Sharded, each process holds its share already."""
+        from gradsync.comm.hierarchical import NodeReducer
+
+        topology = self.topology  # type: ignore[attr-defined]
+        if (self.scope == "node" and topology is not None and topology.procs_per_node > 1  # type: ignore[attr-defined]
+                and not self.sharded):  # type: ignore[attr-defined]
+            return NodeReducer(across, intra=topology.intra, replicated=replicated)
+        return across
+
+    def _across_scope(self) -> str:
+        """The ledger's scope of what crosses between groups (the slow hop of a node-scoped job)."""
+        from gradsync.comm.hierarchical import INTER
+
+        return INTER if self.scope == "node" else "world"  # type: ignore[attr-defined]
+
     # ---- healing ----------------------------------------------------------------------------------
     def _shared_algorithm_state(self) -> Any:
         """The algorithm state every group holds the same (a healing group takes it over)."""
@@ -210,26 +229,6 @@ class QuorumPerStep(ReplicaGroupMember):
     def _step_reducer(self) -> Any:
         """The reducer of a step's gradients across the groups of its quorum (``self.replicas`` exists)."""
         raise NotImplementedError
-
-    def _group_step_reducer(self, across: Any) -> Any:
-        """``across`` (a reducer between groups, of scope ``inter_node`` when the group holds several processes)
-        as the step's reducer: in a group of several processes, wrapped in the hierarchical mean — each process's
-        gradients averaged inside the group (reduce-scatter), its share of them across the groups, and the
-        group's shares gathered (as ``scope node`` does between the nodes of one job)."""
-        from gradsync.comm.hierarchical import NodeReducer
-
-        topology = self.topology  # type: ignore[attr-defined]
-        # (sharded: FSDP2 reduce-scattered the gradients inside the group, each process holds its share)
-        if (self.scope == "node" and topology is not None and topology.procs_per_node > 1  # type: ignore[attr-defined]
-                and not self.sharded):  # type: ignore[attr-defined]
-            return NodeReducer(across, intra=topology.intra)
-        return across
-
-    def _across_scope(self) -> str:
-        """The ledger's scope of what crosses between groups (the slow hop of a node-scoped job)."""
-        from gradsync.comm.hierarchical import INTER
-
-        return INTER if self.scope == "node" else "world"  # type: ignore[attr-defined]
 
     def _step_count(self) -> Any:
         """The owner of the optimizer-step count (``num_steps``), which a healing group takes over."""

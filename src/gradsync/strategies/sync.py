@@ -89,7 +89,7 @@ class SyncStrategy(QuorumPerStep, GradsyncStrategy):
         from gradsync.comm.managed import ManagedReducer
 
         # each group divides by the participants and the quorum sums, as DDP's own all-reduce does
-        return self._group_step_reducer(ManagedReducer(self.replicas, ledger=self.ledger, divide_first=True,
+        return self._within_group(ManagedReducer(self.replicas, ledger=self.ledger, divide_first=True,
                                                        scope=self._across_scope()))
 
     def _step_count(self) -> Schedule:
