@@ -38,7 +38,7 @@ def test_codecs(tmp_path):
     assert set(rows) == {"memory copy", "fp16", "bf16", "int8", "sign", "topk", "powersgd", "sparseloco"}
     assert rows["memory copy"][2] == 1.0 and all(r[1] > 0 for r in rows.values())
     assert rows["fp16"][3] == 2.0 and 3.9 < rows["int8"][3] < 4.0 and rows["sign"][3] > 25 and rows["topk"][3] > 40
-    assert rows["sparseloco"][3] == pytest.approx(32 / (64 / 4096 * 14 + 32 / 4096))  # 141: packed bytes
+    assert rows["sparseloco"][3] == pytest.approx(32 * 4096 / (64 * 8 + 128 + 32))  # 195: packed bytes
 
 
 def test_allreduce(tmp_path):

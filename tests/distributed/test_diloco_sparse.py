@@ -19,9 +19,10 @@ PERIOD, STEPS = 4, 48
 
 
 def sparse_message_bytes(numel: int) -> int:
-    """One packed message at the defaults, by hand: 64 of every 4096 entries in 12 + 2 bits, float32 scales."""
+    """One packed message at the defaults, by hand: per chunk of 4096, 64 codes of 6 low index bits and a
+    2-bit value, a 64 + 4096 / 2^6-bit upper bitmap; then float32 scales."""
     chunks = math.ceil(numel / 4096)
-    return math.ceil(chunks * 64 * (12 + 2) / 8) + 4 * chunks
+    return math.ceil(chunks * (64 * (6 + 2) + 64 + 64) / 8) + 4 * chunks
 
 
 class Hashes(Callback):

@@ -6,6 +6,8 @@
   most 5% of the update, for every codec: the model's float arithmetic order is the only difference.
   int8 and int4 draw the same rounding noise on both devices and give bit-identical codes and decoded
   values for the same input (tests/unit/test_codecs.py, exact), so they need no wider margin;
+* the compiled (Triton) int8/int4 encoder gives the eager encoder's bytes on CUDA, and sparseloco's
+  messages and decoded sums on CUDA are the CPU's bytes (tails, odd sizes, fp16/bf16 values);
 * a resumed GPU run equals an uninterrupted one, CUDA generator (stochastic rounding) included;
 * the run summary names the NCCL version.
 """
@@ -89,3 +91,40 @@ def test_summary_names_the_nccl_version(tmp_path):
                  "--output-dir", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["backend"] == "nccl" and summary["nccl_version"].count(".") == 2
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize("rows,shard,chunk,dtype", [(1, 4096, 512, torch.float32), (2, 1000, 64, torch.float32),
+                                                    (3, 2050, 2048, torch.float16), (2, 778, 8, torch.bfloat16)])
+def test_compiled_encoder_on_cuda_gives_the_eager_bytes(codec, rows, shard, chunk, dtype, monkeypatch):
+    from gradsync.comm.codecs import fused
+    from gradsync.comm.codecs.int8 import Int4Reducer, Int8Reducer
+
+    g = torch.Generator().manual_seed(shard)
+    x = (torch.randn(rows, shard, generator=g) * torch.logspace(-4, 2, shard)).to(dtype).float().cuda()
+
+    def messages(compiled: bool) -> torch.Tensor:
+        monkeypatch.setenv("GRADSYNC_COMPILED_CODECS", "1" if compiled else "0")
+        reducer = {"int8": Int8Reducer, "int4": Int4Reducer}[codec](chunk_size=chunk, seed=5)
+        msgs = torch.empty(rows, reducer.message_bytes(shard), dtype=torch.uint8, device="cuda")
+        reducer.encode(x, msgs, torch.empty(rows, shard, device="cuda"), divisor=2)
+        return msgs.cpu()
+
+    eager, compiled = messages(False), messages(True)
+    assert fused._kernels.get("cuda") is not None, "the compiled encoder was not used on CUDA"
+    assert torch.equal(compiled, eager)
+
+
+@pytest.mark.parametrize("chunk,k,bits", [(4096, 64, 2), (256, 16, 4), (64, 48, 2), (1024, 3, 8)])
+def test_sparseloco_on_cuda_gives_the_cpu_bytes(chunk, k, bits):
+    from gradsync.comm.codecs import sparse
+
+    g = torch.Generator().manual_seed(chunk + k)
+    x = torch.randn(3 * chunk + 77, generator=g).mul_(4).round_().div_(4)  # ties on a coarse grid
+    x[: chunk // 2] = 0
+    for values in (x, x.half().float(), x.bfloat16().float()):
+        cpu = torch.stack([sparse.encode(values, chunk, k, bits), sparse.encode(-values.flip(0), chunk, k, bits)])
+        gpu = torch.stack([sparse.encode(v.cuda(), chunk, k, bits) for v in (values, -values.flip(0))])
+        assert torch.equal(gpu.cpu(), cpu)
+        total = sparse.decode_sum(gpu, values.numel(), chunk, k, bits).cpu()
+        assert torch.equal(total, sparse.decode_sum(cpu, values.numel(), chunk, k, bits))

@@ -94,7 +94,7 @@ class CompressedStrategy(QuorumPerStep, GradsyncStrategy):
             codec: how gradients are encoded on the wire: ``identity`` (fp32, as ``sync``), ``fp16``,
                 ``bf16`` (2x fewer bytes), ``int8`` (~4x), ``int4`` (~8x, noisy), ``sign`` (1 bit + scale, ~30x), ``topk``
                 (1 / (N fraction)x), ``powersgd`` (low rank; nm / (r(n+m))x per matrix) or ``sparseloco``
-                (the top 64 of every 4096 entries, 14 bits each: 282 / N x).
+                (the top 64 of every 4096 entries, 2-bit values, Elias-Fano indices: 390 / N x).
             warmup_steps: optimizer steps of plain fp32 all-reduce before compression starts.
                 Default: 2 for powersgd with error feedback or warm start (the minimum), else 0.
             chunk_size: int8, int4 and sign: entries that share one float32 scale (a multiple of 8 for sign).
@@ -111,7 +111,7 @@ class CompressedStrategy(QuorumPerStep, GradsyncStrategy):
                 and its step applies the delivered mean. ``false``: compress the gradient (the plain variants).
             warm_start: powersgd: start each power iteration from the previous step's Q.
             seed: int8, int4: seed of the stochastic rounding (rank r uses seed + r); powersgd: of the initial Q.
-            sparse_chunk_size: sparseloco: entries per top-k chunk, a power of two (indices cost log2 of it).
+            sparse_chunk_size: sparseloco: entries per top-k chunk, a power of two.
             sparse_k: sparseloco: entries sent per chunk.
             value_bits: sparseloco: bits per sent value, 2, 4 or 8.
             error_decay: sparseloco: factor on the error-feedback residual before it is added, in (0, 1].

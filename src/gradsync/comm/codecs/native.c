@@ -189,10 +189,12 @@ static inline void put(writer *w, uint64_t code, int width) {
 }
 
 /* The packed message of sparse.encode: per chunk the k entries of largest magnitude (ties to the
- * lower index), in ascending index order, as (index << bits | q) codes of log2(chunk) + bits bits,
- * packed end to end; then the float32 scales. Scratch: ``groups``, ``cand_idx``, ``cand_mag`` of
- * ``chunk`` entries each, ``chosen_idx``, ``chosen_val``, ``chosen_q`` of ``k``. */
-void sparse_encode(const float *x, int64_t n, int64_t chunk, int64_t k, int bits, int index_bits,
+ * lower index), in ascending index order, as (low << bits | q) codes of low_bits + bits bits (an
+ * index's low bits), then the chunk's upper bitmap (Elias-Fano: the i-th entry sets bit
+ * (index >> low_bits) + i of k + chunk >> low_bits), chunk after chunk; then the float32 scales.
+ * Scratch: ``groups``, ``cand_idx``, ``cand_mag`` of ``chunk`` entries each, ``chosen_idx``,
+ * ``chosen_val``, ``chosen_q`` of ``k``. */
+void sparse_encode(const float *x, int64_t n, int64_t chunk, int64_t k, int bits, int low_bits,
                    uint8_t *msg, uint32_t *groups, int32_t *cand_idx, uint32_t *cand_mag, int32_t *chosen_idx,
                    float *chosen_val, int32_t *chosen_q) {
     int64_t chunks = n > chunk ? (n + chunk - 1) / chunk : 1;
@@ -205,7 +207,9 @@ void sparse_encode(const float *x, int64_t n, int64_t chunk, int64_t k, int bits
     float half = (float)top / 2.0f;
     writer w = {msg, 0, 0, 0};
     float *scales = (float *)0;
-    int64_t code_bytes = (chunks * k * (index_bits + bits) + 7) / 8;
+    int64_t upper = k + (chunk >> low_bits);
+    int64_t code_bytes = (chunks * (k * (low_bits + bits) + upper) + 7) / 8;
+    uint64_t low_mask = ((uint64_t)1 << low_bits) - 1;
     for (int64_t c = 0; c < chunks; c++) {
         int64_t base = c * chunk;
         if (base + chunk <= n) {
@@ -290,23 +294,58 @@ void sparse_encode(const float *x, int64_t n, int64_t chunk, int64_t k, int bits
             chosen_q[i] = (int32_t)t;
         }
         for (int64_t i = 0; i < k; i++)
-            put(&w, ((uint64_t)chosen_idx[i] << bits) | (uint64_t)chosen_q[i], index_bits + bits);
+            put(&w, (((uint64_t)chosen_idx[i] & low_mask) << bits) | (uint64_t)chosen_q[i], low_bits + bits);
+        /* the upper bitmap, built in ``groups`` (free now; it holds chunk >= (upper + 31) / 32 words) */
+        uint32_t *words = groups;
+        int64_t nwords = (upper + 31) / 32;
+        memset(words, 0, (size_t)nwords * sizeof(uint32_t));
+        for (int64_t i = 0; i < k; i++) {
+            int64_t at = ((int64_t)chosen_idx[i] >> low_bits) + i;
+            words[at >> 5] |= 0x80000000u >> (at & 31);
+        }
+        for (int64_t j = 0; j + 1 < nwords; j++) put(&w, words[j], 32);
+        int last = (int)(upper - 32 * (nwords - 1));
+        put(&w, words[nwords - 1] >> (32 - last), last);
         scales = (float *)(msg + code_bytes);
         memcpy(scales + c, &s, 4);
     }
     if (w.bits > 0) msg[w.pos++] = (uint8_t)(w.acc << (8 - w.bits));
 }
 
+typedef struct {
+    const uint8_t *p;
+    uint64_t acc;
+    int have;
+} reader;
+
+/* A reader at bit ``bit`` of ``msg``. */
+static inline reader reader_at(const uint8_t *msg, int64_t bit) {
+    reader r = {msg + (bit >> 3) + 1, msg[bit >> 3], 8 - (int)(bit & 7)};
+    r.acc &= (1u << r.have) - 1;
+    return r;
+}
+
+/* The next ``width`` (<= 56) bits, most significant first. */
+static inline uint64_t get(reader *r, int width) {
+    while (r->have < width) { r->acc = (r->acc << 8) | *r->p++; r->have += 8; }
+    r->have -= width;
+    uint64_t code = (r->acc >> r->have) & (((uint64_t)1 << width) - 1);
+    r->acc &= ((uint64_t)1 << r->have) - 1;
+    return code;
+}
+
 /* The sum of ``world`` messages (``msgs``: world x msg_bytes) into ``total`` (C x chunk entries),
  * chunk by chunk: the chunk's row is zeroed, then every message's values are added in rank order
- * (positions are unique within a message), so the row is written while it is in cache. */
+ * (positions are unique within a message), so the row is written while it is in cache. Scratch:
+ * ``codes`` of k. */
 void sparse_decode_sum(const uint8_t *msgs, int64_t world, int64_t msg_bytes, int64_t n, int64_t chunk, int64_t k,
-                       int bits, int index_bits, float *total) {
+                       int bits, int low_bits, uint32_t *codes, float *total) {
     int64_t chunks = n > chunk ? (n + chunk - 1) / chunk : 1;
     int64_t code_bytes = msg_bytes - 4 * chunks;
-    int width = index_bits + bits;
+    int width = low_bits + bits;
+    int64_t upper = k + (chunk >> low_bits);
+    int64_t chunk_bits = k * width + upper;
     int top = (1 << bits) - 1;
-    uint64_t mask = ((uint64_t)1 << width) - 1;
     float levels[256];
     for (int q = 0; q <= top; q++) levels[q] = ((float)q * 2.0f - (float)top) / (float)top;
     for (int64_t c = 0; c < chunks; c++) {
@@ -316,19 +355,20 @@ void sparse_decode_sum(const uint8_t *msgs, int64_t world, int64_t msg_bytes, in
             const uint8_t *msg = msgs + r * msg_bytes;
             float s;
             memcpy(&s, msg + code_bytes + 4 * c, 4);
-            /* this chunk's codes start at bit c k width */
-            int64_t bit = c * k * width;
-            const uint8_t *p = msg + (bit >> 3);
-            int skip = (int)(bit & 7);
-            uint64_t acc = *p++;
-            int have = 8 - skip;
-            acc &= (1u << have) - 1;
-            for (int64_t e = 0; e < k; e++) {
-                while (have < width) { acc = (acc << 8) | *p++; have += 8; }
-                have -= width;
-                uint64_t code = (acc >> have) & mask;
-                acc &= ((uint64_t)1 << have) - 1;
-                row[code >> bits] += levels[code & (uint64_t)top] * s;
+            reader in = reader_at(msg, c * chunk_bits);
+            for (int64_t e = 0; e < k; e++) codes[e] = (uint32_t)get(&in, width);
+            /* the i-th set bit of the upper bitmap is at (index >> low_bits) + i */
+            int64_t e = 0;
+            for (int64_t at = 0; at < upper && e < k; at += 32) {
+                int take = upper - at < 32 ? (int)(upper - at) : 32;
+                uint32_t word = (uint32_t)get(&in, take);
+                while (word && e < k) {
+                    int lead = 31 - __builtin_clz(word); /* the highest set bit comes first */
+                    word &= ~((uint32_t)1 << lead);
+                    int64_t high = at + (take - 1 - lead) - e;
+                    uint32_t code = codes[e++];
+                    row[(high << low_bits) | (code >> bits)] += levels[code & (uint32_t)top] * s;
+                }
             }
         }
     }

@@ -52,7 +52,7 @@ SIGNATURES = {
     "int8_decode": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr], None),
     "int4_decode": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr], None),
     "quant_round": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _int], None),
-    "sparse_decode_sum": ([_ptr, _i64, _i64, _i64, _i64, _i64, _int, _int, _ptr], None),
+    "sparse_decode_sum": ([_ptr, _i64, _i64, _i64, _i64, _i64, _int, _int, _ptr, _ptr], None),
 }
 
 
