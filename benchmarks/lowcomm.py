@@ -18,7 +18,8 @@ speeds up or slows down during the suite does not push a fraction above 1.
 
 The configurations follow the papers: INTELLECT-1's DiLoCo with H = 100 inner steps and int8
 pseudo-gradients; Streaming DiLoCo's 4 fragments, overlapped (sync delay) and 4-bit; SparseLoCo's
-chunked top-k (64 of every 4096 entries, 2-bit values, error feedback) at H = 30, 50 and 100.
+chunked top-k (64 of every 4096 entries, 2-bit values, error feedback) at H = 30, 50 and 100, at
+gradsync's defaults for it (Elias-Fano-coded indices, outer step 2).
 """
 
 from __future__ import annotations

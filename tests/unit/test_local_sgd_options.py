@@ -98,8 +98,8 @@ def test_rounds_with_the_sparse_codec_default_to_sparseloco_outer_setting():
     from gradsync.strategies.compressed import CompressedStrategy
 
     sparse = DiLoCoStrategy(codec="sparseloco")
-    assert (sparse.outer_lr, sparse.outer_momentum, sparse.codec_spec.options["error_decay"]) == (1.0, 0.0, 0.95)
-    assert sparse.options["outer_lr"] == 1.0 and sparse.options["outer_momentum"] == 0.0
+    assert (sparse.outer_lr, sparse.outer_momentum, sparse.codec_spec.options["error_decay"]) == (2.0, 0.0, 0.95)
+    assert sparse.options["outer_lr"] == 2.0 and sparse.options["outer_momentum"] == 0.0
     dense = DiLoCoStrategy(codec="int8")
     assert (dense.outer_lr, dense.outer_momentum, dense.codec_spec.options["error_decay"]) == (0.7, 0.9, 1.0)
     assert LocalSGDStrategy(codec="sparseloco").codec_spec.options["error_decay"] == 0.95

@@ -12,7 +12,8 @@ the pseudo-gradient Δ = mean_r(θ − x_r), and an outer SGD with Nesterov mome
 Every rank computes the same outer step from the same average, so every rank holds the same θ
 without a broadcast, and every rank restarts from it (x_r <- θ). With η = 1 and μ = 0 this is
 local SGD. The paper's defaults are η = 0.7, μ = 0.9; with the ``sparseloco`` codec the defaults
-are SparseLoCo's η = 1, μ = 0 (its decayed error-feedback residual does the momentum's work).
+are η = 2, μ = 0: SparseLoCo's plain step (its decayed error-feedback residual does the momentum's
+work) at twice SparseLoCo's learning rate.
 
 It composes with the rest of gradsync's communication layer:
 
@@ -48,10 +49,13 @@ from gradsync.strategies.periodic import PeriodicAveragingStrategy
 
 #: The DiLoCo paper's outer step (Douillard et al. 2023).
 PAPER_OUTER = {"outer_lr": 0.7, "outer_momentum": 0.9}
-#: SparseLoCo's (Sarfi et al. 2025, arXiv 2508.15706): a plain outer step, the decayed error-feedback
-#: residual (``error_decay`` 0.95) standing in for the momentum. With the sparse codec it ends lower
-#: than the paper's step at every period measured (docs/low-communication.md).
-SPARSE_OUTER = {"outer_lr": 1.0, "outer_momentum": 0.0}
+#: With the sparse codec: SparseLoCo's plain outer step (Sarfi et al. 2025, arXiv 2508.15706), the
+#: decayed error-feedback residual (``error_decay`` 0.95) standing in for the momentum, at twice its
+#: learning rate. A round delivers only the top entries of each chunk and the replicas restart from
+#: the global parameters, so a step of 1 moves them less than the replicas moved; a step of 2 ends
+#: lower at every period measured, and SparseLoCo's 1 lower than the DiLoCo paper's Nesterov step
+#: (docs/low-communication.md).
+SPARSE_OUTER = {"outer_lr": 2.0, "outer_momentum": 0.0}
 
 
 class DiLoCoStrategy(PeriodicAveragingStrategy):
@@ -80,8 +84,8 @@ class DiLoCoStrategy(PeriodicAveragingStrategy):
             period: inner optimizer steps between outer steps of each fragment, >= 1 (the paper uses
                 500 for language models; small models on small data want far fewer). Communication
                 falls ~period-fold.
-            outer_lr: learning rate of the outer Nesterov SGD, > 0. Default: the paper's 0.7; 1 with the
-                ``sparseloco`` codec (SparseLoCo's plain outer step). 1 with ``outer_momentum`` 0 is
+            outer_lr: learning rate of the outer Nesterov SGD, > 0. Default: the paper's 0.7; 2 with the
+                ``sparseloco`` codec (twice SparseLoCo's plain outer step). 1 with ``outer_momentum`` 0 is
                 plain local SGD; lower it if the loss jumps after rounds.
             outer_momentum: Nesterov momentum of the outer SGD, in [0, 1). Default: the paper's 0.9;
                 0 with ``sparseloco``, whose decayed error-feedback residual carries the momentum.
