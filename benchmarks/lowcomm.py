@@ -72,8 +72,8 @@ def steady_step_seconds(curve: list) -> float:
 def run(out: Path, quick: bool = False, rate: str = "") -> Report:
     rate = rate or os.environ.get("GRADSYNC_LOWCOMM_RATE", "10mbit")
     rep = Report("lowcomm", f"Low-communication training, two nodes over a {rate} link: chargpt to sync's loss",
-                 ["strategy", "steps", "time to target s", "speedup vs sync", "utilization", "wire MB / rank",
-                  "bytes / step vs sync", "peak KB / sync", "final val_loss"],
+                 ["strategy", "steps", "steps to target", "time to target s", "speedup vs sync", "utilization",
+                  "wire MB / rank", "bytes / step vs sync", "peak KB / sync", "final val_loss"],
                  command=command_line())
     if slowlink.skipped(rep, out):
         return rep
@@ -103,18 +103,23 @@ def run(out: Path, quick: bool = False, rate: str = "") -> Report:
         s, steps = r["summary"], plan[name][1]
         hit = slowlink.time_to_target(r["curve"], target)
         t_target = hit if hit is not None else float("nan")
+        hit_step = next((step + 1 for step, wall, loss in r["curve"] if loss <= target and wall is not None),
+                        "not reached")
         per_step = s["comm"]["wire_bytes"] / steps
         if name == "sync":
             base_time, base_bytes_per_step = t_target, per_step
         speedup = (base_time / t_target) if hit is not None and base_time else "not reached"
-        rep.rows.append([name, steps, t_target, speedup,
+        rep.rows.append([name, steps, hit_step, t_target, speedup,
                          reference / steady_step_seconds(r["curve"]), s["comm"]["wire_bytes"] / 1e6,
                          base_bytes_per_step / per_step, s["comm"]["peak_sync_bytes"] / 1e3,
                          s["metrics"].get("val_loss")])
     rep.notes.append(f"link: veth pair between two namespaces, tbf {rate} on both ends; measured {measured:.1f} "
                      "Mbit/s with a TCP stream just before the runs; one process per namespace (node).")
     rep.notes.append(f"target val_loss {target:.3f} = sync's final loss + 2%; validation every {val_every} steps; time "
-                     "to target = wall time of the first validation at or below it.")
+                     "to target = wall time of the first validation at or below it, steps to target = the optimizer "
+                     "steps before it. The speedup is sync's time over the run's: (sync's steps x its step time) / "
+                     "(the run's steps x its step time), so it grows with the link's cost against the compute's, "
+                     "while the steps to target do not depend on either.")
     rep.notes.append(f"utilization = {reference:.3f} s (the mean step of the same 2-node job with no communication: "
                      f"local_sgd with period {ref_steps + 1}, {ref_steps} steps, the faster of a run before and one after "
                      "the others) / the run's mean step, both between the first and last validation (start-up and the "
