@@ -30,7 +30,9 @@ def test_compressed_with_the_sparse_codec_trains_and_ranks_agree(tmp_path):
     acc = torch.load(tmp_path / "val_acc0.pt")
     assert acc > 0.5, f"val_acc {acc} (chance is 0.1)"
     chunks = math.ceil(numel / 512)
-    message = math.ceil(chunks * 32 * (9 + 2) / 8) + 4 * chunks  # one bucket: digits fits in DDP's first
+    # per chunk: 32 codes of log2(512 / 32) = 4 low index bits and a 2-bit value, a 32 + 512 / 2^4-bit bitmap;
+    # one bucket: digits fits in DDP's first
+    message = math.ceil(chunks * (32 * (4 + 2) + 32 + 512 // 2**4) / 8) + 4 * chunks
     assert ranks[0]["ledger"]["wire_bytes"] == STEPS * message
     print(f"compressed sparseloco on digits: val_acc {acc:.3f}, {message} bytes per step, "
           f"ratio {ranks[0]['ledger']['compression_ratio']:.0f}x")

@@ -61,8 +61,10 @@ def check_sent(meant: torch.Tensor, sent: torch.Tensor, bits: int) -> None:
 
 
 def message_bytes(n: int, bits: int) -> int:
+    """Elias-Fano: K codes of ``low`` index bits and a value, then a K + CHUNK / 2^low-bit bitmap, per chunk."""
     chunks = math.ceil(n / CHUNK)
-    return math.ceil(chunks * K * (int(math.log2(CHUNK)) + bits) / 8) + 4 * chunks
+    low = math.floor(math.log2(CHUNK / K))
+    return math.ceil(chunks * (K * (low + bits) + K + CHUNK // 2**low) / 8) + 4 * chunks
 
 
 CASES = [
