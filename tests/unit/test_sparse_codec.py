@@ -12,10 +12,11 @@ from gradsync.errors import OptionError
 
 def test_codes_are_packed_end_to_end_most_significant_bit_first():
     # 3-bit codes 1, 2, 7, 0, 5 -> 001 010 111 000 101 (+ one pad bit) -> 00101011 10001010
-    packed = sparse.pack_bits(torch.tensor([1, 2, 7, 0, 5]), 3)
+    packed = sparse.bits_to_bytes(sparse.to_bits(torch.tensor([1, 2, 7, 0, 5]), 3).view(-1))
     assert packed.tolist() == [0b00101011, 0b10001010]
     codes = torch.randint(0, 2**14, (1001,), generator=torch.Generator().manual_seed(0))
-    assert torch.equal(sparse.unpack_bits(sparse.pack_bits(codes, 14), 14, 1001), codes)
+    stream = sparse.bytes_to_bits(sparse.bits_to_bytes(sparse.to_bits(codes, 14).view(-1)))
+    assert torch.equal(sparse.from_bits(stream[: 1001 * 14].view(1001, 14)), codes)
 
 
 def test_message_is_low_index_and_value_code_per_entry_then_upper_bitmap_then_float32_scales():

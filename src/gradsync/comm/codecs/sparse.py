@@ -109,16 +109,6 @@ def from_bits(bits: torch.Tensor) -> torch.Tensor:
     return bits.to(torch.int64).mul_(weights).sum(dim=-1)
 
 
-def pack_bits(codes: torch.Tensor, width: int) -> torch.Tensor:
-    """Non-negative integers below ``2^width`` (1-d), packed end to end, most significant bit first (uint8)."""
-    return bits_to_bytes(to_bits(codes, width).view(-1))
-
-
-def unpack_bits(packed: torch.Tensor, width: int, count: int) -> torch.Tensor:
-    """The ``count`` integers of :func:`pack_bits` (int64)."""
-    return from_bits(bytes_to_bits(packed)[: count * width].view(count, width))
-
-
 def levels(bits: int, device: torch.device) -> torch.Tensor:
     """The grid of ``bits``-bit values in units of the chunk's scale: (2q - L) / L, q = 0..L (float32)."""
     top = 2**bits - 1
