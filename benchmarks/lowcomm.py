@@ -1,20 +1,25 @@
-"""lowcomm: low-communication training where communication dominates, over a shaped 10 Mbit/s link.
+"""lowcomm: low-communication training where communication dominates, over a shaped link.
 
 Across data centres a GPU step computes in tens of milliseconds and its fp32 all-reduce takes
 seconds: communication is 10-100x the compute. A 2-core CPU computes slowly, so the same ratio
-needs a slow link: two namespaces joined by a ``tbf``-shaped veth (as in ``slowlink``), 10 Mbit/s
-by default, where ``sync`` spends over 90% of each step waiting. Each strategy trains the same small
-chargpt model; the report gives the time to ``sync``'s final validation loss + 2%, the compute
-utilization, wire bytes, the ratio of bytes per optimizer step against fp32 sync, and the peak
-bytes of one sync (Streaming DiLoCo's bandwidth claim).
+needs a slow link: two namespaces joined by a ``tbf``-shaped veth (as in ``slowlink``). The link is
+paced to the compute: after the no-communication reference has timed a step, the rate is set so
+that fp32 sync's all-reduce of a step's gradients takes ``LINK_TO_COMPUTE`` (25) times that step,
+which is what 10 Mbit/s gave on this kind of machine at its usual pace (a 0.05-0.06 s step). On a
+machine that computes twice as slowly the link is twice as slow, so the speedups measure the
+algorithms in one regime rather than the machine's pace on the day. ``GRADSYNC_LOWCOMM_RATE``
+(a ``tc`` rate such as ``10mbit``) fixes the rate instead. Each strategy trains the same small
+chargpt model; the report gives the steps and the time to ``sync``'s final validation loss + 2%,
+the compute utilization, wire bytes, the ratio of bytes per optimizer step against fp32 sync, and
+the peak bytes of one sync (Streaming DiLoCo's bandwidth claim).
 
 Utilization is the steady-state step time of a run that sends nothing over that of the run
 measured, both measured the same way: the same two processes, one per namespace, as a 2-node job
 over the shaped link (the reference is ``local_sgd`` with a period longer than the run, so no step
 communicates), the same validation schedule, and the mean step time between the run's first and
-last validation (start-up and the end-of-fit round excluded, validation included in both). The
-reference runs before and after the others and the faster of the two counts, so a machine that
-speeds up or slows down during the suite does not push a fraction above 1.
+last validation (start-up and the end-of-fit round excluded, validation included in both). A
+reference runs before the first run and after every run, and each run is divided by the mean of
+the two around it: the machine's pace drifts during a 20-minute suite by more than a round costs.
 
 The configurations follow the papers: INTELLECT-1's DiLoCo with H = 100 inner steps and int8
 pseudo-gradients; Streaming DiLoCo's 4 fragments, overlapped (sync delay) and 4-bit; SparseLoCo's
@@ -55,6 +60,22 @@ QUICK_STEPS = 48
 REFERENCE = "no communication"
 
 
+#: fp32 sync's all-reduce of one step's gradients takes this many times a step's compute on the
+#: paced link (the ratio 10 Mbit/s gave against a 0.05-0.06 s step; cross-data-centre training is at 10-100x).
+LINK_TO_COMPUTE = 25
+#: The quick run's ratio: enough for sync to wait on the link for most of each step, in a few seconds.
+QUICK_LINK_TO_COMPUTE = 8
+
+
+def link_rate(sync_bytes_per_step: float, step_seconds: float, ratio: float = LINK_TO_COMPUTE) -> str:
+    """The ``tc`` rate (whole kbit/s) at which a rank sends ``sync_bytes_per_step`` in ``ratio`` x
+    ``step_seconds``: in a 2-rank ring all-reduce each rank sends, and receives, the fp32 gradients once."""
+    if sync_bytes_per_step <= 0 or step_seconds <= 0 or ratio <= 0:
+        raise ValueError(f"link_rate needs positive bytes, seconds and ratio, got {sync_bytes_per_step}, "
+                         f"{step_seconds}, {ratio}")
+    return f"{max(1, round(sync_bytes_per_step * 8 / (ratio * step_seconds) / 1e3))}kbit"
+
+
 def reference_flags(steps: int) -> list[str]:
     return ["--strategy", "local_sgd", "--strategy.period", str(steps + 1)]
 
@@ -70,8 +91,11 @@ def steady_step_seconds(curve: list) -> float:
 
 
 def run(out: Path, quick: bool = False, rate: str = "") -> Report:
-    rate = rate or os.environ.get("GRADSYNC_LOWCOMM_RATE", "10mbit")
-    rep = Report("lowcomm", f"Low-communication training, two nodes over a {rate} link: chargpt to sync's loss",
+    rate = rate or os.environ.get("GRADSYNC_LOWCOMM_RATE", "auto")
+    ratio = QUICK_LINK_TO_COMPUTE if quick else LINK_TO_COMPUTE
+    rep = Report("lowcomm", "Low-communication training, two nodes over a "
+                 + (f"link paced to {ratio}x the compute" if rate == "auto" else f"{rate} link")
+                 + ": chargpt to sync's loss",
                  ["strategy", "steps", "steps to target", "time to target s", "speedup vs sync", "utilization",
                   "wire MB / rank", "bytes / step vs sync", "peak KB / sync", "final val_loss"],
                  command=command_line())
@@ -86,17 +110,28 @@ def run(out: Path, quick: bool = False, rate: str = "") -> Report:
     ref_steps = plan["sync"][1]
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            slowlink.link_up(rate)
-            measured = slowlink.measure_link(1.0 if quick else 3.0)
+            paced = rate == "auto"
+            # the reference sends nothing until its end-of-fit round, so the link's rate does not time it
+            slowlink.link_up("10mbit" if paced else rate)
             refs = [slowlink.train(REFERENCE, reference_flags(ref_steps), ref_steps, val_every, model, Path(tmp))]
-            for name, (flags, steps) in plan.items():
+            # fp32 sync's bytes per step: what the ledger counts as the logical bytes of every step
+            sync_bytes_per_step = refs[0]["summary"]["comm"]["logical_bytes"] / ref_steps
+            first_reference = steady_step_seconds(refs[0]["curve"])
+            if paced:
+                rate = link_rate(sync_bytes_per_step, first_reference, ratio)
+                slowlink.set_rate(rate)
+            measured = slowlink.measure_link(1.0 if quick else 3.0)
+            # a reference after every run: each run is timed against the two that bracket it, so a machine
+            # whose pace drifts during the suite (20% in 20 minutes has been seen) does not skew the late rows
+            for i, (name, (flags, steps)) in enumerate(plan.items()):
                 results[name] = slowlink.train(name, flags, steps, val_every, model, Path(tmp))
-            refs.append(slowlink.train(f"{REFERENCE} after", reference_flags(ref_steps), ref_steps, val_every, model,
-                                       Path(tmp)))
+                refs.append(slowlink.train(f"{REFERENCE} {i + 1}", reference_flags(ref_steps), ref_steps, val_every,
+                                           model, Path(tmp)))
         finally:
             slowlink.link_down()
     # the reference's only bytes are the end-of-fit round, after its last validation
-    reference = min(steady_step_seconds(r["curve"]) for r in refs)
+    ref_steps_seconds = [steady_step_seconds(r["curve"]) for r in refs]
+    reference = {name: (ref_steps_seconds[i] + ref_steps_seconds[i + 1]) / 2 for i, name in enumerate(results)}
     target = results["sync"]["curve"][-1][2] * 1.02
     base_time, base_bytes_per_step = None, None
     for name, r in results.items():
@@ -110,23 +145,31 @@ def run(out: Path, quick: bool = False, rate: str = "") -> Report:
             base_time, base_bytes_per_step = t_target, per_step
         speedup = (base_time / t_target) if hit is not None and base_time else "not reached"
         rep.rows.append([name, steps, hit_step, t_target, speedup,
-                         reference / steady_step_seconds(r["curve"]), s["comm"]["wire_bytes"] / 1e6,
+                         reference[name] / steady_step_seconds(r["curve"]), s["comm"]["wire_bytes"] / 1e6,
                          base_bytes_per_step / per_step, s["comm"]["peak_sync_bytes"] / 1e3,
                          s["metrics"].get("val_loss")])
-    rep.notes.append(f"link: veth pair between two namespaces, tbf {rate} on both ends; measured {measured:.1f} "
-                     "Mbit/s with a TCP stream just before the runs; one process per namespace (node).")
+    sync_step = steady_step_seconds(results["sync"]["curve"])
+    pacing = (f"paced to the compute: fp32 sync's {sync_bytes_per_step / 1e6:.2f} MB per step in {ratio}x "
+              f"the first reference's {first_reference:.3f} s step; " if paced else "")
+    rep.notes.append(f"link: veth pair between two namespaces, tbf {rate} on both ends ({pacing}measured "
+                     f"{measured:.1f} Mbit/s with a TCP stream just before the runs); one process per namespace "
+                     f"(node). Sync's step took {sync_step:.2f} s: its communication cost "
+                     f"{sync_step / reference['sync'] - 1:.1f}x the compute.")
     rep.notes.append(f"target val_loss {target:.3f} = sync's final loss + 2%; validation every {val_every} steps; time "
                      "to target = wall time of the first validation at or below it, steps to target = the optimizer "
                      "steps before it. The speedup is sync's time over the run's: (sync's steps x its step time) / "
                      "(the run's steps x its step time), so it grows with the link's cost against the compute's, "
                      "while the steps to target do not depend on either.")
-    rep.notes.append(f"utilization = {reference:.3f} s (the mean step of the same 2-node job with no communication: "
-                     f"local_sgd with period {ref_steps + 1}, {ref_steps} steps, the faster of a run before and one after "
-                     "the others) / the run's mean step, both between the first and last validation (start-up and the "
-                     "end-of-fit round out, validation in).")
+    rep.notes.append("utilization = the mean step of the same 2-node job with no communication (local_sgd with "
+                     f"period {ref_steps + 1}, {ref_steps} steps), averaged over the one run just before the row's "
+                     "run and the one just after it, / the run's mean step, both between the first and last "
+                     "validation (start-up and the end-of-fit round out, validation in); the references took "
+                     f"{min(ref_steps_seconds):.3f}-{max(ref_steps_seconds):.3f} s.")
     rep.notes.append("bytes / step vs sync: sync's wire bytes per optimizer step over this run's (the ledger's "
                      "compression ratio, final rounds included); peak = the most one sync sent.")
-    rep.data = {"rate": rate, "measured_mbit": measured, "target": target, "reference_step_seconds": reference,
+    rep.data = {"rate": rate, "paced": paced, "link_to_compute": ratio if paced else None,
+                "sync_bytes_per_step": sync_bytes_per_step, "measured_mbit": measured, "target": target,
+                "reference_step_seconds": reference,  # per row: the mean of the two references around it
                 "reference_curves": [r["curve"] for r in refs],
                 "curves": {k: v["curve"] for k, v in results.items()},
                 "summaries": {k: {"comm": v["summary"]["comm"], "metrics": v["summary"]["metrics"]}

@@ -87,8 +87,18 @@ def link_up(rate: str) -> None:
         _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", veth)
         _sh("ip", "-n", ns, "link", "set", veth, "up")
         _sh("ip", "-n", ns, "link", "set", "lo", "up")
-        _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", veth, "root", "tbf", "rate", rate,
-            "burst", "256kb", "latency", "50ms")
+        _shape(ns, veth, "add", rate)
+
+
+def set_rate(rate: str) -> None:
+    """Reshape the link that :func:`link_up` made to ``rate`` (a ``tc`` rate: ``10mbit``, ``4650kbit``)."""
+    for ns, veth in zip(NS, VETH):
+        _shape(ns, veth, "change", rate)
+
+
+def _shape(ns: str, veth: str, op: str, rate: str) -> None:
+    _sh("ip", "netns", "exec", ns, "tc", "qdisc", op, "dev", veth, "root", "tbf", "rate", rate, "burst", "256kb",
+        "latency", "50ms")
 
 
 def link_down() -> None:

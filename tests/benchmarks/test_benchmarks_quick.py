@@ -76,20 +76,46 @@ def test_slowlink(tmp_path):
     assert wire["local_sgd period 8"] < wire["sync"] / 4   # bytes really dropped on the wire
 
 
+def test_lowcomm_link_rate():
+    from benchmarks import lowcomm
+
+    # the lowcomm chargpt's 1,669,120 fp32 bytes per step, in 25 x 0.06 s: 8,902 kbit/s; a step twice
+    # as slow halves the rate, and the rate sends those bytes in exactly 25 steps' compute
+    assert lowcomm.link_rate(1_669_120, 0.06) == "8902kbit"
+    assert lowcomm.link_rate(1_669_120, 0.12) == "4451kbit"
+    assert 1_669_120 * 8 / 8_902e3 == pytest.approx(25 * 0.06, rel=1e-4)
+    assert lowcomm.link_rate(10, 100.0) == "1kbit"  # never below tc's smallest rate
+    with pytest.raises(ValueError, match="positive"):
+        lowcomm.link_rate(1_669_120, 0.0)
+
+
 def test_lowcomm(tmp_path):
     from benchmarks import lowcomm
 
-    # 2 Mbit/s: sync waits on the link for most of each step even with the quick run's small model, so
-    # its utilization is far from a run that communicates every 4th step (at 10 Mbit/s the two were
-    # within this machine's noise)
-    rep = lowcomm.run(tmp_path, quick=True, rate="2mbit")
+    # the default paces the link to the compute (in the quick run sync's all-reduce takes 8 steps'
+    # compute), so sync waits on the link for most of each step even with the quick run's small
+    # model, and its utilization is far from a run that communicates every 4th step
+    rep = lowcomm.run(tmp_path, quick=True)
     if lowcomm.slowlink.available():
         assert "not run" in rep.notes[0]
         return
     data = _check(tmp_path, "lowcomm")
-    assert 1 < data["data"]["measured_mbit"] < 3   # the 2 Mbit/s shaping took effect
+    d = data["data"]
+    assert d["paced"] and d["link_to_compute"] == lowcomm.QUICK_LINK_TO_COMPUTE
+    # the rate comes from the first reference's step and fp32 sync's bytes, and the shaping took effect
+    first = lowcomm.steady_step_seconds(d["reference_curves"][0])
+    assert d["rate"] == lowcomm.link_rate(d["sync_bytes_per_step"], first, lowcomm.QUICK_LINK_TO_COMPUTE)
+    mbit = int(d["rate"].removesuffix("kbit")) / 1e3
+    assert 0.5 * mbit < d["measured_mbit"] < 1.5 * mbit   # (a one-second stream also gets tbf's burst)
     rows = {r[0]: dict(zip(data["columns"], r)) for r in data["rows"]}
     assert list(rows) == ["sync", "diloco H=100 int8"]  # (H=4 in the quick run)
+    # a reference before the first run and after each: a row is timed against the two around it
+    refs = [lowcomm.steady_step_seconds(c) for c in d["reference_curves"]]
+    assert len(refs) == 3
+    assert d["reference_step_seconds"] == pytest.approx({"sync": (refs[0] + refs[1]) / 2,
+                                                          "diloco H=100 int8": (refs[1] + refs[2]) / 2})
+    assert rows["sync"]["utilization"] == pytest.approx(
+        d["reference_step_seconds"]["sync"] / lowcomm.steady_step_seconds(d["curves"]["sync"]))
     diloco, sync = rows["diloco H=100 int8"], rows["sync"]
     # 48 steps: 12 rounds of int8 pseudo-gradients against 48 fp32 all-reduces, ~4 x 3.97 fewer bytes
     assert diloco["steps"] == lowcomm.QUICK_STEPS == 48
