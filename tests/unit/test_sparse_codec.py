@@ -55,8 +55,8 @@ def test_every_index_comes_back_from_its_code_and_the_upper_bitmap(chunk, k):
     positions, _ = sparse.decode(sparse.encode(x, chunk, k, 2), x.numel(), chunk, k, 2)
     idx, _ = sparse.select(x, chunk, k)
     assert torch.equal(positions, (idx + torch.arange(idx.shape[0]).mul(chunk).unsqueeze(1)).view(-1))
-    assert positions[:k].tolist() == list(range(k)) and positions[2 * k - k:2 * k].tolist() == \
-        list(range(2 * chunk - k, 2 * chunk))
+    assert positions[:k].tolist() == list(range(k))
+    assert positions[k:2 * k].tolist() == list(range(2 * chunk - k, 2 * chunk))
 
 
 def test_defaults_send_64_of_4096_in_2_plus_8_bits_each_and_a_128_bit_bitmap():
