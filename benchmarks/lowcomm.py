@@ -30,6 +30,7 @@ gradsync's defaults for it (Elias-Fano-coded indices, outer step 2).
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -92,6 +93,9 @@ def steady_step_seconds(curve: list) -> float:
 
 def run(out: Path, quick: bool = False, rate: str = "") -> Report:
     rate = rate or os.environ.get("GRADSYNC_LOWCOMM_RATE", "auto")
+    if rate != "auto" and not re.fullmatch(r"\d+(\.\d+)?[kmg]?bit", rate):
+        raise SystemExit(f"GRADSYNC_LOWCOMM_RATE={rate}: not a rate; use auto (paced to the compute) or a tc rate "
+                         "such as 10mbit or 4500kbit")
     ratio = QUICK_LINK_TO_COMPUTE if quick else LINK_TO_COMPUTE
     rep = Report("lowcomm", "Low-communication training, two nodes over a "
                  + (f"link paced to {ratio}x the compute" if rate == "auto" else f"{rate} link")

@@ -87,6 +87,9 @@ def test_lowcomm_link_rate():
     assert lowcomm.link_rate(10, 100.0) == "1kbit"  # never below tc's smallest rate
     with pytest.raises(ValueError, match="positive"):
         lowcomm.link_rate(1_669_120, 0.0)
+    # a rate tc would refuse is one line naming the variable, before any link is made
+    with pytest.raises(SystemExit, match="GRADSYNC_LOWCOMM_RATE=10 mbit: not a rate; use auto .* 10mbit"):
+        lowcomm.run(Path("unused"), rate="10 mbit")
 
 
 def test_lowcomm(tmp_path):
