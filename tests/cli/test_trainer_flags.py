@@ -64,6 +64,49 @@ def test_gradsync_defaults_and_derived_values_hold_when_not_given():
     assert trainer.strategy._layer_sync is None
 
 
+def test_val_every_counts_optimizer_steps_across_epochs():
+    """Lightning's own default (check_val_every_n_epoch=1) never overrides what --val-every derives."""
+    _, trainer = trainer_from("--val-every", "500")
+    assert trainer.check_val_every_n_epoch is None and trainer.val_check_interval == 500
+    _, trainer = trainer_from("--val-every", "5", "--global-batch-size", "96", "--batch-size", "32")
+    assert trainer.accumulate_grad_batches == 3 and trainer.val_check_interval == 15  # batches: steps x K
+    _, trainer = trainer_from()  # not given: Lightning's once per epoch
+    assert trainer.check_val_every_n_epoch == 1 and trainer.val_check_interval == 1.0
+
+
+@pytest.mark.parametrize("flags, check", [
+    # each derived option keeps its derived value unless the user gives it
+    ((), lambda t: t.accumulate_grad_batches == 1 and t.num_sanity_val_steps == 0 and t.log_every_n_steps == 1),
+    (("--num-sanity-val-steps", "2", "--log-every-n-steps", "7"),
+     lambda t: t.num_sanity_val_steps == 2 and t.log_every_n_steps == 7),
+    (("--check-val-every-n-epoch", "3"), lambda t: t.check_val_every_n_epoch == 3 and t.val_check_interval == 1.0),
+    (("--use-distributed-sampler", "true"), lambda t: t._accelerator_connector.use_distributed_sampler),
+    ((), lambda t: not t._accelerator_connector.use_distributed_sampler),  # the recipes shard their own data
+    (("--enable-checkpointing", "false"), lambda t: t.checkpoint_callback is None),
+])
+def test_derived_options_yield_only_to_what_the_user_gave(flags, check):
+    _, trainer = trainer_from(*flags)
+    assert check(trainer), flags
+
+
+def test_val_every_past_an_epoch_in_a_real_run(tmp_path):
+    """--val-every 30 on digits (45 batches an epoch on 1 process): validation at steps 30 and 60, the
+    second in the second epoch (a count restarted each epoch would put it at 75; one refused past an epoch
+    would end in Lightning's ValueError)."""
+    import csv
+
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    r = cli_process.run([sys.executable, "-m", "gradsync.cli.main", "fit", "--recipe", "digits", "--devices", "1",
+                        "--accelerator", "cpu", "--max-steps", "70", "--val-every", "30", "--batch-size", "32",
+                        "--output-dir", str(out)], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = list(csv.DictReader((out / "logs" / "metrics.csv").open()))
+    assert max(int(row["epoch"]) for row in rows) >= 1  # the run crossed an epoch
+    validated = [int(row["step"]) + 1 for row in rows if row.get("val_loss")]
+    assert validated[:2] == [30, 60] and all(step > 70 for step in validated[2:]), validated  # (+ the final one)
+
+
 def test_callbacks_and_profiler_by_class_path_are_built():
     _, trainer = trainer_from("--callbacks+", "lightning.pytorch.callbacks.LearningRateMonitor",
                               "--profiler", "simple", "--enable-progress-bar", "false")
@@ -85,7 +128,12 @@ def test_trainer_flags_from_a_config_file(tmp_path):
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["--precision", "bf17"], "precision"),
+    (["--precision", "bf17"], "--precision bf17: not one of its values; use one of 64, 32, 16, "),
+    (["--precision=fp17"], "bf16-mixed, 32-true"),
+    (["--strategy", "compressed", "--strategy.codec", "int3"],
+     "--strategy.codec int3: not one of its values; use one of identity, fp16, bf16, int8, int4, sign, topk"),
+    (["--strategy", "diloco", "--strategy.shard", "node", "--devices", "2"],
+     "--strategy.shard node: makes each node one replica"),
     (["--gradient-clip-vall", "1"], "did you mean --gradient-clip-val"),
     (["--val-every", "5", "--val-check-interval", "3"], "--val-every 5 and --val-check-interval 3"),
     # refused by L.Trainer itself, before any process is launched

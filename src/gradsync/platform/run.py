@@ -246,9 +246,11 @@ class CommMetrics(Callback):
 def build_trainer(spec: RunSpec, strategy: Union[Strategy, str], clock: _RunClock, *,
                   accumulation: int = 1, global_batch: Optional[int] = None, shards_itself: bool = True) -> L.Trainer:
     from gradsync.platform.consistency import ConfigConsistency, config_fingerprint
-    from gradsync.platform.trainer_args import GRADSYNC_DEFAULTS, instantiate
+    from gradsync.platform.trainer_args import GRADSYNC_DEFAULTS, changed, instantiate
 
-    given = {k: v for k, v in instantiate(spec.trainer_options).items() if v is not None}
+    # Only what the user gave overrides gradsync's own and derived options: the parsed options also hold
+    # every Lightning default (check_val_every_n_epoch=1 would undo --val-every past an epoch).
+    given = {k: v for k, v in instantiate(changed(spec.trainer_options)).items() if v is not None}
     given.pop("accumulate_grad_batches", None)  # resolved into `accumulation` (resolve_accumulation)
     user_callbacks = given.pop("callbacks", None) or []
     user_callbacks = list(user_callbacks) if isinstance(user_callbacks, (list, tuple)) else [user_callbacks]
