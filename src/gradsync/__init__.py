@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "RECIPES": "gradsync.recipes", "Recipe": "gradsync.recipes", "RecipeData": "gradsync.recipes",
-    "STRATEGIES": "gradsync.strategies", "CommLedger": "gradsync.strategies",
+    "STRATEGIES": "gradsync.strategies", "CommLedger": "gradsync.comm",
     "GradsyncStrategy": "gradsync.strategies", "SyncStrategy": "gradsync.strategies",
 }
 

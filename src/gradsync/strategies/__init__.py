@@ -27,10 +27,5 @@ warnings.filterwarnings("ignore", message=r"`broadcast_buffers` is deprecated")
 for _cls in STRATEGIES.values():
     _cls.register_strategies(StrategyRegistry)
 
-__all__ = ["STRATEGIES", "AccumulateStrategy", "AsyncPSStrategy", "CommLedger", "GradsyncStrategy", "SyncStrategy", "wire_bytes"]
-
-
-def __getattr__(name: str):
-    if name in ("CommLedger", "wire_bytes"):
-        raise ImportError(f"gradsync.strategies.{name} moved: from gradsync.comm import {name}")
-    raise AttributeError(f"module 'gradsync.strategies' has no attribute {name!r}")
+__all__ = ["STRATEGIES", "AccumulateStrategy", "AsyncPSStrategy", "CompressedStrategy", "DiLoCoStrategy",
+           "GradsyncStrategy", "LocalSGDStrategy", "SyncStrategy"]

@@ -100,6 +100,12 @@ class NodeSharding:
         if self.sharded and k is not None:
             check(world_size % k == 0, "procs_per_node", k, f"must divide the number of processes ({world_size})",
                   f"e.g. {spell('procs_per_node', 1)} (every process plays a node)")
+        if self.sharded and self.scope == "node" and k is None:
+            # shard node makes each node one replica (node scope implied): one node leaves nothing to average
+            check(num_nodes > 1, "shard", "node",
+                  f"makes each node one replica that rounds average across nodes, and this run has 1 node "
+                  f"({world_size} process(es))",
+                  f"use {spell('shard', 'none')}, or {spell('procs_per_node')} K to let K processes play one node")
         super().check_layout(world_size, num_nodes)
 
     # ---- the node's mesh and the wrapping ---------------------------------------------------------
