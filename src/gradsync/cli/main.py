@@ -247,7 +247,9 @@ def build_parser(command: str, sel: dict[str, Any]):
     p.add_class_arguments(data_cls, "data", fail_untyped=False)
     strat_cls = strategy_class(sel["strategy"])
     if strat_cls is not None:
-        p.add_class_arguments(strat_cls, "strategy", fail_untyped=False)
+        # DDPStrategy's own arguments are for Python callers; --strategy.backend / --timeout set the same
+        skip = set(getattr(strat_cls, "python_only_options", ()))
+        p.add_class_arguments(strat_cls, "strategy", fail_untyped=False, skip=skip)
     return p, model_cls, data_cls
 
 
@@ -314,7 +316,7 @@ def parse_run(command: str, argv: Sequence[str]):
     try:
         cfg = parser.parse_args(_rewrite(argv, bools=bool_flags()))
     except ArgumentError as exc:
-        raise UsageError(_one_line(exc)) from None
+        raise UsageError(_choice_error(parser, exc, argv) or _one_line(exc)) from None
     d = cfg.as_dict()
     d.pop("config", None)
     _check_run_flags(d, argv)
@@ -434,6 +436,43 @@ def _check_run_flags(d: dict, argv: Sequence[str] = ()) -> None:
                 "torch sees no CUDA device (check nvidia-smi and CUDA_VISIBLE_DEVICES)"
             raise UsageError(f"--accelerator {d['accelerator']}: no GPU here, {build}; use --accelerator cpu "
                              "(or auto)")
+
+
+def _choices(annotation: Any) -> list:
+    """The values a ``Literal`` (inside ``Optional`` / ``Union``) admits, in order; [] for an open type."""
+    import typing
+
+    if typing.get_origin(annotation) is Literal:
+        return list(typing.get_args(annotation))
+    if typing.get_origin(annotation) is typing.Union:
+        found = [c for arg in typing.get_args(annotation) for c in _choices(arg)]
+        open_type = any(a not in (type(None),) and typing.get_origin(a) is not Literal
+                        for a in typing.get_args(annotation))
+        return [] if open_type and not found else list(dict.fromkeys(found))
+    return []
+
+
+def _choice_error(parser: Any, exc: BaseException, argv: Sequence[str]) -> Optional[str]:
+    """A closed-choice flag given a value outside its choices, as one line that lists them
+    (``--precision fp17: not one of 64, 32, 16, ...``); None for any other parse error."""
+    import re
+
+    match = re.search(r'Parser key "([^"]+)"', str(exc))
+    if not match:
+        return None
+    key = match.group(1)
+    action = next((a for a in parser._actions if a.dest == key), None)
+    choices = [c for c in _choices(getattr(action, "_typehint", None)) if c is not None]
+    if not choices:
+        return None
+    spellings = [o for o in (action.option_strings or []) if o.startswith("--")] or [f"--{key}"]
+    spellings += [s.replace("_", "-") for s in spellings]
+    spellings += [f for f, (c, o) in ALIASES.items() if f"{c}.{o}" == key]
+    given = {**_scan(argv, spellings)}
+    flag = next((s for s in spellings if s in given), spellings[0].replace("_", "-"))
+    value = given.get(flag, "")
+    names = ", ".join(dict.fromkeys(str(c) for c in choices if str(c) != value))  # 64 is an int and a str
+    return f"{flag} {value}: not one of its values; use one of {names}"
 
 
 def _one_line(exc: BaseException) -> str:
