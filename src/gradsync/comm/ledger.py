@@ -155,6 +155,17 @@ class CommLedger:
     other: dict = field(default_factory=dict)  # purpose -> Totals
     _lock: Any = field(default_factory=threading.Lock, repr=False, compare=False)
 
+    # A ledger travels with its strategy (Lightning's spawn launchers pickle it, copy.deepcopy(trainer)
+    # copies it): the lock does not, a new one is made on the other side.
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_lock", None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     # ---- recording -------------------------------------------------------------------------
     def group_size(self, group: Optional[dist.ProcessGroup] = None) -> int:
         if group is not None or (dist.is_available() and dist.is_initialized() and self.world_size > 1):

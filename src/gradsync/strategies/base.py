@@ -56,6 +56,18 @@ _UNUSED_PARAMETERS = re.compile(r"Expected to have finished reduction in the pri
                                 r"not used in producing the loss")
 # Options of the base that are DDP wrapper settings (passed to torch's DistributedDataParallel).
 _DDP_OPTIONS = ("bucket_cap_mb", "gradient_as_bucket_view", "static_graph", "find_unused_parameters")
+#: ``DDPStrategy``'s own constructor arguments, taken with ``DDPStrategy``'s meaning, so code written for
+#: ``DDPStrategy(process_group_backend="gloo", timeout=...)`` runs when the class is swapped. They are for
+#: Python callers (objects, hooks): the CLI has its own flags for what they set and does not offer them.
+DDP_ARGUMENTS = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
+                 "ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period",
+                 "process_group_backend", "timeout", "start_method")
+
+
+def _ddp_wrapper_arguments() -> frozenset:
+    """What ``DDPStrategy(**kwargs)`` passes on to ``DistributedDataParallel`` (Lightning sets the rest)."""
+    params = inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
+    return frozenset(params) - {"self", "module", "device_ids", "output_device", "process_group", "device_mesh"}
 
 
 class GradsyncStrategy(RankCheckpointing, NodeSharding, NodeScope, CountedCollectives, DDPStrategy):
@@ -64,6 +76,12 @@ class GradsyncStrategy(RankCheckpointing, NodeSharding, NodeScope, CountedCollec
     strategy_name: ClassVar[str] = ""
     #: True for strategies that only make sense with gradient accumulation (a global batch > b*N).
     requires_global_batch: ClassVar[bool] = False
+    #: True for strategies whose step is DDP's own all-reduce, so a ``ddp_comm_hook`` can replace it.
+    takes_ddp_comm_hook: ClassVar[bool] = False
+    #: Constructor arguments that are not ``--strategy.*`` flags (objects and hooks from Python callers).
+    python_only_options: ClassVar[tuple[str, ...]] = DDP_ARGUMENTS + tuple(sorted(
+        set(inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters)
+        - {"self", "module", *_DDP_OPTIONS}))
 
     def __init__(
         self,
@@ -75,6 +93,19 @@ class GradsyncStrategy(RankCheckpointing, NodeSharding, NodeScope, CountedCollec
         static_graph: bool = False,
         find_unused_parameters: bool = False,
         nonfinite_grads: Literal["off", "skip", "stop"] = "off",
+        accelerator: Any = None,
+        parallel_devices: Optional[list] = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+        ddp_comm_state: Optional[object] = None,
+        ddp_comm_hook: Optional[Callable] = None,
+        ddp_comm_wrapper: Optional[Callable] = None,
+        model_averaging_period: Optional[int] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = None,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **ddp_kwargs: Any,
     ) -> None:
         """
         Args:
@@ -90,7 +121,33 @@ class GradsyncStrategy(RankCheckpointing, NodeSharding, NodeScope, CountedCollec
                 ``skip`` (every rank skips that optimizer step together, and it is logged) or
                 ``stop`` (the run ends with an error naming the step). Decided for all ranks at
                 once, so one rank never steps while another skips.
+            accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, ddp_comm_state,
+                ddp_comm_hook, ddp_comm_wrapper, model_averaging_period, process_group_backend, timeout,
+                start_method, **ddp_kwargs: ``DDPStrategy``'s arguments, with its meaning
+                (``process_group_backend`` and ``timeout`` are ``backend`` and ``timeout_seconds``; a
+                ``ddp_comm_hook`` is registered on every device, not on CUDA only; ``**ddp_kwargs`` go to
+                ``DistributedDataParallel``). Only ``sync`` and ``accumulate`` take a comm hook or model
+                averaging: the other strategies send their own messages.
         """
+        if process_group_backend is not None:
+            check(backend in ("auto", process_group_backend), "process_group_backend", process_group_backend,
+                  f"disagrees with backend={backend!r}, which names the same thing", "give one of them")
+            backend = process_group_backend
+        if timeout is not None:
+            check(isinstance(timeout, timedelta), "timeout", timeout, "must be a datetime.timedelta, as for DDPStrategy",
+                  "or give timeout_seconds")
+            check(timeout_seconds == 1800.0 or timeout_seconds == timeout.total_seconds(), "timeout", timeout,
+                  f"disagrees with timeout_seconds={timeout_seconds!r}, which names the same thing", "give one of them")
+            timeout_seconds = timeout.total_seconds()
+        unknown = sorted(set(ddp_kwargs) - _ddp_wrapper_arguments())
+        check(not unknown, unknown[0] if unknown else "", ddp_kwargs.get(unknown[0]) if unknown else None,
+              f"is not an option of {type(self).__name__} nor an argument of DistributedDataParallel",
+              f"see help({type(self).__name__})")
+        own_messages = not getattr(self, "takes_ddp_comm_hook", False)
+        for option, value in (("ddp_comm_hook", ddp_comm_hook), ("model_averaging_period", model_averaging_period)):
+            check(value is None or not own_messages, option, value,
+                  f"{type(self).__name__} sends its own messages, so a DDP hook or model averager has nothing to do",
+                  "give it to SyncStrategy, or use this strategy's codec / period options")
         check(backend in ("auto", "nccl", "gloo"), "backend", backend, "must be one of auto, nccl, gloo")
         check(timeout_seconds > 0, "timeout_seconds", timeout_seconds, "must be > 0 seconds")
         check(bucket_cap_mb is None or bucket_cap_mb > 0, "bucket_cap_mb", bucket_cap_mb, "must be > 0 MiB",
@@ -104,15 +161,26 @@ class GradsyncStrategy(RankCheckpointing, NodeSharding, NodeScope, CountedCollec
         check(nonfinite_grads in ("off", "skip", "stop"), "nonfinite_grads", nonfinite_grads,
               "must be one of off, skip, stop")
         self.nonfinite_grads = nonfinite_grads
+        # the hook is registered by gradsync on every device type (_register_comm_hook); Lightning would
+        # register it on CUDA only, so it does not see it
+        self._user_comm_hook = (ddp_comm_state, ddp_comm_hook, ddp_comm_wrapper) if ddp_comm_hook else None
         super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            precision_plugin=precision_plugin,
+            ddp_comm_state=ddp_comm_state,
+            model_averaging_period=model_averaging_period,
             process_group_backend=None if backend == "auto" else backend,
             timeout=timedelta(seconds=self.timeout_seconds),
-            start_method="popen",
+            start_method=start_method,
             bucket_cap_mb=self.bucket_cap_mb,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
             static_graph=self.static_graph,
             find_unused_parameters=self.find_unused_parameters,
-            checkpoint_io=rank_parts.AtomicCheckpointIO(),  # last.ckpt is whole under a plain L.Trainer too
+            # last.ckpt is whole under a plain L.Trainer too
+            checkpoint_io=checkpoint_io if checkpoint_io is not None else rank_parts.AtomicCheckpointIO(),
+            **ddp_kwargs,
         )
         self.ledger = CommLedger()
         self.accumulation_steps = 1
@@ -137,7 +205,7 @@ class GradsyncStrategy(RankCheckpointing, NodeSharding, NodeScope, CountedCollec
                 continue
             for name, p in inspect.signature(init).parameters.items():
                 named = p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-                if named and name != "self" and hasattr(self, name):
+                if named and name != "self" and name not in DDP_ARGUMENTS and hasattr(self, name):
                     out[name] = getattr(self, name)
         return out
 

@@ -320,6 +320,16 @@ class CompressedStrategy(QuorumPerStep, GradsyncStrategy):
         self._warned.add(key)
 
     # ---- algorithm state -------------------------------------------------------------------
+    # The registry holds closures over self: it is made anew on the other side of a pickle or deepcopy.
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("registry", None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.registry = self._register_state()
+
     def _register_state(self) -> StateRegistry:
         """compressed's state, declared once: what a resume on another layout keeps, averages or resets.
         It stays under the checkpoint key ``compressed``."""

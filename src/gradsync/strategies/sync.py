@@ -27,6 +27,7 @@ class SyncStrategy(QuorumPerStep, GradsyncStrategy):
     """
 
     strategy_name = "sync"
+    takes_ddp_comm_hook = True
 
     def __init__(self, *, time_comm: bool = False, shard: Shard = "none", procs_per_node: Optional[int] = None,
                  param_dtype: ShardDtype = "fp32", reduce_dtype: ShardDtype = "fp32", **kwargs: Any) -> None:
@@ -46,6 +47,8 @@ class SyncStrategy(QuorumPerStep, GradsyncStrategy):
             **kwargs: :class:`~gradsync.strategies.base.GradsyncStrategy`'s options.
         """
         check(isinstance(time_comm, bool), "time_comm", time_comm, "must be true or false")
+        check(not (time_comm and kwargs.get("ddp_comm_hook")), "time_comm", time_comm,
+              "times gradsync's own all-reduce hook, and a ddp_comm_hook replaces it", "give one of them")
         self.time_comm = time_comm
         super().__init__(**kwargs)
         self._set_shard(shard, param_dtype, reduce_dtype)
@@ -60,6 +63,12 @@ class SyncStrategy(QuorumPerStep, GradsyncStrategy):
     def build_comm_hook(self) -> Optional[tuple[Any, Any]]:
         if self.fault_tolerance is not None:
             return self._managed_hook()
+        if self._user_comm_hook is not None:  # DDPStrategy(ddp_comm_hook=...)'s meaning, on every device
+            state, hook, wrapper = self._user_comm_hook
+            # its bytes are booked as the fp32 all-reduce it replaces: gradsync cannot see inside it
+            self.ledger.timed = False
+            self._synced_steps = 0
+            return state, (wrapper(hook) if wrapper is not None else hook)
         if self.time_comm:
             self._mean_in_loss = True
             return AllReduceState(ledger=self.ledger), allreduce_sum_hook
