@@ -30,15 +30,18 @@ class SameBatches(L.LightningDataModule):
 
 
 class Regression(L.LightningModule):
-    def __init__(self, optimizer: str):
+    def __init__(self, optimizer: str, weighted: bool = False):
         super().__init__()
         torch.manual_seed(0)
         self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
-        self.optimizer = optimizer
+        self.optimizer, self.weighted = optimizer, weighted
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return torch.nn.functional.mse_loss(self.net(x), y)
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        # a token-weighted loss as chargpt and the Hugging Face recipe return: the backward pass carries
+        # mean x weight, and what a rank clips is its gradient, the weight's scale taken out
+        return {"loss": loss, "weight": float(x.shape[0])} if self.weighted else loss
 
     def configure_optimizers(self):
         if self.optimizer == "adamw":
@@ -46,10 +49,10 @@ class Regression(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-def test_local_clipping_is_syncs_clipping_when_ranks_agree(tmp_path, optimizer):
+@pytest.mark.parametrize("optimizer, weighted", [("sgd", False), ("adamw", False), ("sgd", True)])
+def test_local_clipping_is_syncs_clipping_when_ranks_agree(tmp_path, optimizer, weighted):
     def run(name, strategy, **kw):
-        return fit(Regression(optimizer), SameBatches(), strategy=strategy, devices=2, max_steps=STEPS,
+        return fit(Regression(optimizer, weighted), SameBatches(), strategy=strategy, devices=2, max_steps=STEPS,
                    out=tmp_path / name, **kw)[0]["params"]
 
     # momentum correction over an exact (fp32) mean: the warm-up reducer of sign/topk, here for every step,

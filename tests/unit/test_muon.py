@@ -101,3 +101,24 @@ def test_state_dict_round_trip_resumes_both_halves():
 def test_unknown_optimizer_is_refused_with_the_choices():
     with pytest.raises(OptionError, match="sgd, adamw or muon"):
         CharGPT(optimizer="lion")
+
+
+def test_the_base_recipe_keeps_embeddings_and_vectors_off_muon():
+    """A recipe that does not override muon_parameters (the Hugging Face one, a user's): Muon takes its 2-D
+    weights, never an embedding table (of any shape), a bias or a norm's scale."""
+    from gradsync.recipes import Recipe
+
+    class Tagger(Recipe):
+        def __init__(self) -> None:
+            super().__init__(optimizer="muon", lr=0.01)
+            self.emb = torch.nn.Embedding(50, 8)  # 2-D, like the weights: only its type tells it apart
+            self.hidden = torch.nn.Linear(8, 8)
+            self.norm = torch.nn.LayerNorm(8)
+            self.head = torch.nn.Linear(8, 5)
+
+    model = Tagger()
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert sorted(names[id(p)] for p in model.muon_parameters()) == ["head.weight", "hidden.weight"]
+    groups = split(model.configure_optimizers())
+    assert {names[i] for i in groups["muon"]} == {"head.weight", "hidden.weight"}
+    assert "emb.weight" in {names[i] for i in groups["adamw"]}
