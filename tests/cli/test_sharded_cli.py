@@ -33,6 +33,19 @@ def test_sharded_diloco_trains_from_the_cli_and_exports_one_state_dict(tmp_path,
     scopes = summary["comm"]["by_scope"]
     assert scopes["intra_node"]["wire_bytes"] > 0  # FSDP2's all-gathers and reduce-scatters
     assert scopes["inter_node"]["compression_ratio"] > 3.5  # rounds every 4 steps, int8
+    # FSDP2's gathers have no fp32-sync equivalent: no ratio (not 0.0); the headline is the ratio across nodes
+    assert scopes["intra_node"]["compression_ratio"] is None and scopes["intra_node"]["logical_bytes"] == 0
+    from gradsync.platform.report import summary_rows
+
+    rows = dict(summary_rows(summary))
+    inter = scopes["inter_node"]["compression_ratio"]
+    assert rows["compression ratio"].startswith(f"{inter:.4g} across nodes (")
+    # two nodes played by two processes each on one machine: said so, not "4 x 1"
+    assert summary["layout"] == {"num_nodes": 2, "procs_per_node": 2, "forced": True}
+    assert rows["processes x nodes"].startswith("2 x 2 (gloo, cpu), nodes played by --strategy.procs_per_node 2")
+    # every node's replica holds the same shards after the last round (each process compares its own shard
+    # with the same shard on the other node)
+    assert summary["params_agree"] is True
     capsys.readouterr()
     assert main(["export", str(out)]) == 0
     state = torch.load(out / "model.pt", weights_only=True)

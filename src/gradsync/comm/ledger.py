@@ -106,14 +106,19 @@ class Totals:
         return max(self.peak_sync_bytes, self._sync_bytes)
 
     @property
-    def compression_ratio(self) -> float:
+    def compression_ratio(self) -> Optional[float]:
+        """logical / wire bytes; None for traffic with no fp32 equivalent (FSDP2's intra-node gathers:
+        what sync would send is booked to the scope a strategy replaces, not here)."""
         if self.wire_bytes == 0:
             return 1.0 if self.logical_bytes == 0 else float("inf")
+        if self.logical_bytes == 0:
+            return None
         return self.logical_bytes / self.wire_bytes
 
     def summary(self, *, with_ratio: bool = True) -> dict:
+        ratio = self.compression_ratio
         out = {"wire_bytes": int(self.wire_bytes), "logical_bytes": int(self.logical_bytes),
-               "compression_ratio": float(self.compression_ratio), "seconds": float(self.seconds),
+               "compression_ratio": None if ratio is None else float(ratio), "seconds": float(self.seconds),
                "collectives": int(self.collectives), "peak_sync_bytes": int(self.peak)}
         if not with_ratio:
             for k in ("logical_bytes", "compression_ratio", "peak_sync_bytes"):

@@ -24,13 +24,31 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def _processes_x_nodes(summary: dict) -> str:
+    where = f"({summary.get('backend')}, {summary.get('accelerator')})"
+    layout = summary.get("layout")
+    if layout:  # nodes played by --strategy.procs_per_node processes each
+        return (f"{layout['procs_per_node']} x {layout['num_nodes']} {where}, nodes played by "
+                f"--strategy.procs_per_node {layout['procs_per_node']} on {summary.get('num_nodes')} machine(s)")
+    return f"{per_node(summary)} x {summary.get('num_nodes')} {where}"
+
+
+def _headline_ratio(comm: dict) -> str:
+    """The ratio across nodes where a topology is in use (what a slow link carries), with the overall one
+    beside it, labelled; the overall ratio alone otherwise."""
+    inter = (comm.get("by_scope") or {}).get("inter_node") or {}
+    if inter.get("logical_bytes") and comm.get("by_scope", {}).get("intra_node", {}).get("wire_bytes"):
+        return (f"{_fmt(inter.get('compression_ratio'))} across nodes ({_fmt(comm.get('compression_ratio'))} "
+                f"with the intra-node traffic)")
+    return _fmt(comm.get("compression_ratio"))
+
+
 def summary_rows(summary: dict) -> list[tuple[str, str]]:
     comm = summary.get("comm") or {}
     rows = [
         ("recipe", summary.get("recipe", "")),
         ("strategy", summary.get("strategy", "")),
-        ("processes x nodes", f"{per_node(summary)} x {summary.get('num_nodes')} ({summary.get('backend')}, "
-                              f"{summary.get('accelerator')})"),
+        ("processes x nodes", _processes_x_nodes(summary)),
         ("global batch", f"{summary.get('global_batch_size')} = {summary.get('micro_batch_size')} micro-batch x "
                          f"{summary.get('accumulation_steps', 1)} accumulation x {summary.get('world_size')} processes"),
         ("training steps", _fmt(summary.get("global_step"))
@@ -40,7 +58,7 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
     rows += [
         ("wire bytes (per rank)", _fmt_exact_bytes(comm.get("wire_bytes"))),
         ("fp32 sync would send", _fmt_exact_bytes(comm.get("logical_bytes"))),
-        ("compression ratio", _fmt(comm.get("compression_ratio"))),
+        ("compression ratio", _headline_ratio(comm)),
         ("peak bytes in one sync", _fmt_exact_bytes(comm.get("peak_sync_bytes"))),
         ("collectives", _fmt(comm.get("collectives"))),
         ("communication time", _comm_time(comm.get("seconds"), summary.get("comm_time_share"))),

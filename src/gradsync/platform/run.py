@@ -474,6 +474,7 @@ def build_summary(spec: RunSpec, trainer: L.Trainer, model: Any, data: Any, cloc
         "trainer_options": _jsonable(changed_trainer_options(spec.trainer_options)),  # the L.Trainer flags given
         "world_size": world,
         "num_nodes": trainer.num_nodes,
+        **played_layout(strategy),
         "backend": backend,
         "nccl_version": nccl,
         "accelerator": type(trainer.accelerator).__name__.replace("Accelerator", "").lower(),
@@ -502,6 +503,15 @@ def build_summary(spec: RunSpec, trainer: L.Trainer, model: Any, data: Any, cloc
         "checkpoint": str(spec.checkpoint_path) if spec.checkpoint_path and spec.checkpoint_path.exists() else None,
         "versions": {"torch": torch.__version__, "lightning": L.__version__},
     }
+
+
+def played_layout(strategy: Any) -> dict:
+    """``{"layout": ...}`` where the strategy's nodes are played by ``procs_per_node`` processes each on fewer
+    machines (a forced layout): the nodes the algorithm saw, beside the machines the launcher counted."""
+    topology = getattr(strategy, "topology", None)
+    if topology is None or not getattr(topology, "forced", False):
+        return {}
+    return {"layout": {"num_nodes": topology.num_nodes, "procs_per_node": topology.procs_per_node, "forced": True}}
 
 
 def ranks_agree(tensors: list) -> bool:
