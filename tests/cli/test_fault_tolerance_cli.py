@@ -404,6 +404,63 @@ def test_an_unreachable_lighthouse_fails_in_one_line(tmp_path, devices):
     assert "Traceback" not in r.stderr and r.stderr.count("gradsync: error:") == 1, r.stderr[-3000:]
 
 
+def test_a_silent_lighthouse_fails_in_one_line_within_the_default_timeout(tmp_path):
+    """An address that accepts the connection and never answers (a wrong host behind a firewall looks the same)
+    costs the default connect wait (10 s), not torchft's 60 s connect and 300 s quorum waits; the line names
+    the whole address and gradsync's --timeout."""
+    import socket
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    started = time.monotonic()
+    r = cli_process.run(_cmd("fit", "--recipe", "digits", *DILOCO, "--max-steps", "8", "--fault-tolerance", "torchft",
+                             "--lighthouse", url, "--replica-group", "1", "--replica-groups", "2",
+                             "--output-dir", str(tmp_path / "run")), env=_env(), capture_output=True, text=True,
+                        timeout=120)
+    elapsed = time.monotonic() - started
+    silent.close()
+    assert r.returncode == 2, r.stderr[-3000:]
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"gradsync: error: fault tolerance: cannot reach the lighthouse {url} ("), line
+    assert "waited up to 10 s, --timeout SECONDS waits longer" in line and "connect_timeout" not in line, line
+    assert 10 <= elapsed < 40, elapsed  # the wait, plus a process's start-up on a busy machine
+
+
+def test_a_replica_group_index_in_use_is_refused_in_one_line(tmp_path, lighthouse_of_two):
+    """Two jobs started as --replica-group 0: the second is refused while the first is alive (it would train
+    on the same share of the data, and nothing would say so); a group restarted after dying is not."""
+    first = _group(0, lighthouse_of_two, tmp_path, "--max-steps", "400", groups=2)  # waits for a quorum of two
+    try:
+        deadline = time.monotonic() + 60
+        from gradsync.comm.managed import heartbeat_ages, lighthouse_status
+
+        while "gradsync_0" not in heartbeat_ages(lighthouse_status(lighthouse_of_two, 5)):
+            assert first.poll() is None and time.monotonic() < deadline, first.stdout.read() if first.poll() else ""
+            time.sleep(0.2)
+        # the same flags (without the check, the two would form a quorum and train together)
+        twin = _group(0, lighthouse_of_two, tmp_path / "twin", "--max-steps", "400", groups=2)
+        try:
+            output = twin.communicate(timeout=60)[0]
+        finally:
+            twin.kill()
+        assert twin.returncode == 2, output[-3000:]
+        line = output.strip().splitlines()[-1]
+        assert line.startswith(f"gradsync: error: --replica-group 0: a live replica group with this index is already "
+                               f"at the lighthouse {lighthouse_of_two} (its latest heartbeat "), line
+        assert line.endswith("give each group its own --replica-group 0..1"), line
+        assert first.poll() is None  # the first group is untouched
+    finally:
+        first.kill()
+        first.wait(30)
+    # the dead group's heartbeat ages: the same index joins again (a restart), past the check
+    from gradsync.comm.managed import FaultToleranceConfig, check_lighthouse
+
+    time.sleep(1.0)
+    check_lighthouse(FaultToleranceConfig(lighthouse=lighthouse_of_two, replica_group=0, replica_groups=2))
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--strategy", "async_ps"], "--fault-tolerance torchft runs sync and compressed (a quorum per step), local_sgd "
                                  "and diloco (a quorum per round); --strategy async_ps does not support it yet"),

@@ -388,7 +388,8 @@ def _fault_tolerance(d: dict):
     if d["num_nodes"] != 1:
         raise UsageError("--fault-tolerance torchft: a replica group is one node for now; use --nnodes 1 per group "
                          "and start one job per group")
-    wait = {} if d["timeout"] is None else {"quorum_timeout": d["timeout"], "timeout": d["timeout"]}
+    wait = ({} if d["timeout"] is None else
+            {"quorum_timeout": d["timeout"], "timeout": d["timeout"], "connect_timeout": d["timeout"]})
     return FaultToleranceConfig(lighthouse=lighthouse, **values, **wait, processes=d["devices"])
 
 

@@ -82,6 +82,9 @@ class FaultToleranceConfig:
     timeout: float = 60.0
     #: processes in this replica group (``--devices``): one replica, DDP inside the group
     processes: int = 1
+    #: seconds to wait for the lighthouse to answer at start (``--timeout`` when given): an address that
+    #: refuses fails at once, one that never answers (a wrong host, a firewall) after this long
+    connect_timeout: float = 10.0
 
     def describe(self) -> dict:
         return {"engine": "torchft", "lighthouse": self.lighthouse, "replica_group": self.replica_group,
@@ -178,6 +181,7 @@ class ReplicaGroup:
         from torchft import Manager, ProcessGroupGloo
 
         self.config, self.ledger = config, ledger
+        check_lighthouse(config)  # reachable within the timeout, and no live group already has this index
         self._user_state_dict, self._user_load = state_dict, load_state_dict
         self.telemetry = Telemetry()
         #: this process's local rank in the group, and the group's processes (the job's default process group)
@@ -193,10 +197,9 @@ class ReplicaGroup:
         timeout = timedelta(seconds=config.timeout)
         try:
             self.manager = self._manager(Manager, ProcessGroupGloo, timeout)
-        except Exception as exc:  # the lighthouse is not there (torchft connects at once)
+        except Exception as exc:  # the lighthouse went away since check_lighthouse
             raise GradsyncError(f"fault tolerance: cannot reach the lighthouse {config.lighthouse} "
-                                f"({_first_line(exc)}); start it with `gradsync lighthouse --min-replicas N` and pass "
-                                "its address to --lighthouse") from None
+                                f"({_first_line(exc)}); {_UNREACHABLE_FIX}") from None
         self._healing_started: Optional[float] = None
 
     def _manager(self, Manager: Any, ProcessGroupGloo: Any, timeout: timedelta) -> Any:
@@ -205,7 +208,7 @@ class ReplicaGroup:
         self.pg = _quorum_group(ProcessGroupGloo)(timeout=timeout)
         return Manager(
             pg=self.pg, min_replica_size=1, load_state_dict=self._load,
-            state_dict=self._user_state_dict, replica_id=f"gradsync_{config.replica_group}",
+            state_dict=self._user_state_dict, replica_id=_replica_id(config.replica_group),
             lighthouse_addr=config.lighthouse, store_addr=self.host, store_port=self._store_port, rank=self.rank,
             world_size=self.processes, use_async_quorum=True, init_sync=False, timeout=timeout,
             quorum_timeout=timedelta(seconds=config.quorum_timeout), connect_timeout=timeout, hostname=self.host)
@@ -326,6 +329,62 @@ class ReplicaGroup:
 
 
 _AGREE_SLOTS = 128
+
+
+# ---- the lighthouse, before joining --------------------------------------------------------------
+_UNREACHABLE_FIX = "start it with `gradsync lighthouse --min-replicas N` and pass its address to --lighthouse"
+
+
+def _replica_id(group: int) -> str:
+    return f"gradsync_{group}"
+
+
+def lighthouse_status(url: str, timeout: float) -> str:
+    """The lighthouse's status page (its quorum and every member's last heartbeat), read over the HTTP
+    endpoint torchft's lighthouse serves beside its RPCs. Raises :class:`GradsyncError` in one line, naming
+    the whole address and ``--timeout``, when nothing answers within ``timeout`` seconds."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/status", timeout=timeout) as reply:
+            return reply.read().decode("utf-8", "replace")
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise GradsyncError(f"fault tolerance: cannot reach the lighthouse {url} ({_first_line(reason)}; waited up to "
+                            f"{timeout:g} s, --timeout SECONDS waits longer); {_UNREACHABLE_FIX}") from None
+
+
+_UNITS = {"ns": 1e-9, "µs": 1e-6, "us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+def heartbeat_ages(status: str) -> dict[str, float]:
+    """Replica id (without torchft's per-start suffix) -> seconds since its latest heartbeat, from
+    :func:`lighthouse_status`'s page (``gradsync_0:<uuid>: seen 0.0123s ago``)."""
+    import re
+
+    ages: dict[str, float] = {}
+    for rid, value, unit in re.findall(r"([\w.-]+):[0-9a-f-]+: seen ([0-9.]+)(ns|µs|us|ms|s) ago", status):
+        age = float(value) * _UNITS[unit]
+        ages[rid] = min(age, ages.get(rid, age))
+    return ages
+
+
+def check_lighthouse(config: FaultToleranceConfig, *, fresh: float = 1.0, recheck_after: float = 1.5) -> None:
+    """Refuse to join when the lighthouse does not answer, or when another live group already runs with this
+    ``--replica-group``: its heartbeats are fresh now and still fresh ``recheck_after`` seconds later (a group
+    restarted after a failure finds only its dead self's heartbeat, which ages)."""
+    rid = _replica_id(config.replica_group)
+    for attempt in range(2):
+        age = heartbeat_ages(lighthouse_status(config.lighthouse, config.connect_timeout)).get(rid)
+        if age is None or age >= fresh:
+            return
+        if attempt == 0:
+            time.sleep(recheck_after)
+    raise GradsyncError(
+        f"--replica-group {config.replica_group}: a live replica group with this index is already at the lighthouse "
+        f"{config.lighthouse} (its latest heartbeat {age:.2g} s ago); give each group its own --replica-group "
+        f"0..{config.replica_groups - 1}")
 
 
 def _job_rank_and_size() -> tuple[int, int]:
