@@ -69,23 +69,52 @@ def export(given: str, output: str | None = None) -> tuple[Path, dict]:
 
 def consolidate(ckpt_path: Path, sharded: dict) -> dict:
     """The whole model of a sharded checkpoint (``--strategy.shard node``), read in this one process
-    from the shards every process wrote (torch.distributed.checkpoint; no process group needed).
-    Saved per node (local steps mid-period), node 0's model is taken."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from the shards its processes wrote (torch.distributed.checkpoint; no process group needed).
 
+    Each node writes its replica's shards into its own directory (``shards-<token>/node<k>``), so the
+    directory of any one node is enough: node 0's replica where this directory holds it, else the first
+    complete one it holds (replicas are equal after a synchronization; mid-period under local steps they
+    are each node's own). Checkpoints of earlier gradsync versions (one folder across every node, saved
+    per node under ``node<k>.`` keys) are read as they were written."""
     from gradsync.platform.checkpoint import parts_dir
 
     folder = parts_dir(ckpt_path) / sharded["shards"]
     if not folder.is_dir():
         raise GradsyncError(f"export {ckpt_path}: its shards {folder} are missing (copy the whole checkpoints directory)")
-    prefix = ("node0." if sharded.get("per_node") else "") + "model."
-    metadata = dcp.FileSystemReader(str(folder)).read_metadata()
-    state = {key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
-             for key, meta in metadata.state_dict_metadata.items()
-             if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
-    nested = {"model": state}
-    dcp.load(nested if not sharded.get("per_node") else {"node0": nested}, checkpoint_id=str(folder), no_dist=True)
+    if not sharded.get("node_dirs"):
+        return _read_model(folder, ("node0." if sharded.get("per_node") else "") + "model.", ckpt_path)
+    nodes = sorted((p for p in folder.glob("node*") if p.name[4:].isdigit()), key=lambda p: int(p.name[4:]))
+    complete = [p for p in nodes if (p / ".metadata").is_file()]
+    if not complete:
+        found = ", ".join(p.name for p in nodes) or "no node folder"
+        raise GradsyncError(f"export {ckpt_path}: no complete replica under {folder} ({found}, none with its "
+                            ".metadata); export from the --output-dir of a node that finished writing its checkpoint")
+    return _read_model(complete[0], "model.", ckpt_path)
+
+
+def _read_model(folder: Path, prefix: str, ckpt_path: Path) -> dict:
+    """The tensors under ``prefix`` of the DCP checkpoint in ``folder``, whole, in this process."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+        state = {key[len(prefix):]: torch.empty(meta.size, dtype=meta.properties.dtype)
+                 for key, meta in metadata.state_dict_metadata.items()
+                 if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
+        nested: dict = {}
+        node = nested
+        for part in prefix.rstrip(".").split("."):  # "node0.model." -> {"node0": {"model": state}}
+            node[part] = {}
+            parent, node = node, node[part]
+        parent[part] = state
+        dcp.load(nested, checkpoint_id=str(folder), no_dist=True)
+    except GradsyncError:
+        raise
+    except Exception as exc:  # a shard file of another node, or a truncated one
+        text = str(exc).strip().splitlines()
+        raise GradsyncError(f"export {ckpt_path}: the shards under {folder} cannot be read "
+                            f"({text[0][:300] if text else type(exc).__name__})") from None
     return state
 
 

@@ -61,6 +61,10 @@ def find_mismatch(fingerprints: list[dict[str, str]]) -> list[str]:
     return [k for k in keys if len({fp.get(k) for fp in fingerprints}) > 1]
 
 
+#: The fingerprint's field for the step the run resumes from (a raw value, shown when it differs).
+RESUMED_FROM = "resumed_from_step"
+
+
 class ConfigConsistency(Callback):
     """Stops the run on every rank when ranks were started with different configurations."""
 
@@ -73,6 +77,11 @@ class ConfigConsistency(Callback):
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, self.fingerprint)
         bad = find_mismatch(gathered)
+        if RESUMED_FROM in bad:  # each node resolved --resume in its own directory
+            steps = {r: fp.get(RESUMED_FROM) for r, fp in enumerate(gathered)}
+            said = ", ".join(f"rank {r} from {v}" for r, v in steps.items())
+            raise GradsyncError(f"--resume: the processes would resume from different checkpoints ({said}); give every "
+                                "node the checkpoint of the same step (each node's --output-dir keeps its own)")
         if bad:
             field = bad[0]
             ranks = [r for r, fp in enumerate(gathered) if fp.get(field) != gathered[0].get(field)]

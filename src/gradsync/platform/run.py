@@ -232,6 +232,35 @@ class RunInfo(Callback):
                 checkpoint[key] = redact(dict(checkpoint[key]))
 
 
+class FitLoopAtLastStep(Callback):
+    """Keeps the fit loop's state as it stood after the last training step (its data position in the epoch
+    included) for the checkpoint written once fit has returned. By then Lightning has closed the epoch
+    that ``--max-steps`` cut short and dropped the train loader, so ``last.ckpt`` would send a continued run
+    to the next epoch's first batch, skipping the rest of this one."""
+
+    def __init__(self) -> None:
+        self.snapshot: Optional[tuple[int, int, dict]] = None
+        self.fitting = False
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.fitting = True
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        import copy
+
+        self.snapshot = (trainer.global_step, trainer.current_epoch, copy.deepcopy(trainer.fit_loop.state_dict()))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.fitting = False
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        if self.fitting or self.snapshot is None or self.snapshot[0] != checkpoint.get("global_step"):
+            return  # saved during training (Lightning's own state is right), or not at the last step
+        _, epoch, fit_loop = self.snapshot
+        checkpoint["epoch"] = epoch
+        checkpoint.setdefault("loops", {})["fit_loop"] = fit_loop
+
+
 class CommMetrics(Callback):
     """Logs the strategy's ledger as ``comm/*`` metrics after every optimizer step."""
 
@@ -259,7 +288,7 @@ def build_trainer(spec: RunSpec, strategy: Union[Strategy, str], clock: _RunCloc
     from gradsync.platform.memory import MemoryProbe
 
     callbacks: list[Callback] = [clock, MemoryProbe(), TrainingStepLimit(spec.max_steps), CommMetrics(),
-                                 RunInfo({"global_batch_size": global_batch}),
+                                 RunInfo({"global_batch_size": global_batch}), FitLoopAtLastStep(),
                                  ConfigConsistency(config_fingerprint(spec)), *user_callbacks]
     from gradsync.platform.progress import GradsyncProgressBar
     from gradsync.platform.tracking import RunTelemetry, build_loggers
@@ -346,6 +375,11 @@ def execute(spec: RunSpec) -> dict:
         print(f"gradsync: {spec.command} recipe={spec.recipe} strategy={spec.strategy} on {world} "
               f"process(es), {spec.num_nodes} node(s); {batch}", flush=True)
     resumed_from = _checkpoint_step(ckpt) if ckpt else None
+    from gradsync.platform.consistency import RESUMED_FROM, ConfigConsistency
+
+    for callback in trainer.callbacks:  # every process must resume from the same step (own directories)
+        if isinstance(callback, ConfigConsistency):
+            callback.fingerprint[RESUMED_FROM] = f"step {resumed_from}" if ckpt else "no checkpoint"
 
     if spec.command == "fit":
         try:

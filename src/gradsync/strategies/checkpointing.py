@@ -70,9 +70,13 @@ class RankCheckpointing:
         if sharded is not None:
             checkpoint["gradsync"]["sharded"] = sharded
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # rank 0 commits
+        if self.global_rank != 0 and self.local_rank == 0 and not rank_parts.part_path(path, 0, token).exists():
+            # This machine does not see rank 0's files (no filesystem shared between nodes): its directory
+            # keeps a manifest of its own, so that it resumes, and exports, from what it holds.
+            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         # Once the new manifest is in place (rank 0 says so), no manifest names the older parts.
         if self._all_ranks_ok(True):
-            rank_parts.remove_stale_parts(path, self.global_rank, keep={token})
+            rank_parts.remove_stale_parts(path, self.global_rank, keep={token}, shards=self.local_rank == 0)
 
     def checkpoint_layout(self) -> dict:
         """Facts about the job a resume needs to reshard (e.g. processes per node); JSON-able."""
@@ -83,7 +87,7 @@ class RankCheckpointing:
         return {**layout, "shard": "node"} if self.sharded else layout
 
     def remove_checkpoint(self, filepath: Any) -> None:
-        rank_parts.remove_parts(filepath, self.global_rank)
+        rank_parts.remove_parts(filepath, self.global_rank, shards=self.local_rank == 0)
         super().remove_checkpoint(filepath)
 
     def _checkpoint_token(self) -> str:

@@ -77,8 +77,9 @@ def write_part(checkpoint: str | os.PathLike, rank: int, token: str, state: dict
     return path
 
 
-def remove_stale_parts(checkpoint: str | os.PathLike, rank: int, keep: set[str]) -> None:
-    """Delete this rank's parts of ``checkpoint`` whose token is not in ``keep``."""
+def remove_stale_parts(checkpoint: str | os.PathLike, rank: int, keep: set[str], *, shards: bool = False) -> None:
+    """Delete this rank's parts of ``checkpoint`` whose token is not in ``keep``, and with ``shards`` (one
+    process of each machine: every node cleans its own directory) the older sharded models' folders."""
     folder = parts_dir(checkpoint)
     if not folder.is_dir():
         return
@@ -86,18 +87,18 @@ def remove_stale_parts(checkpoint: str | os.PathLike, rank: int, keep: set[str])
         m = _PART.match(f.name)
         if m and int(m.group(1)) == rank and m.group(2) not in keep:
             f.unlink(missing_ok=True)
-        shards = _SHARDS.match(f.name)
-        if shards and rank == 0 and shards.group(1) not in keep:  # the sharded model's folder: rank 0 removes it
+        old_shards = _SHARDS.match(f.name)
+        if old_shards and shards and old_shards.group(1) not in keep:
             shutil.rmtree(f, ignore_errors=True)
 
 
-def remove_parts(checkpoint: str | os.PathLike, rank: Optional[int] = None) -> None:
+def remove_parts(checkpoint: str | os.PathLike, rank: Optional[int] = None, *, shards: bool = False) -> None:
     """Delete the parts of a removed checkpoint (this rank's, or all of them)."""
     folder = parts_dir(checkpoint)
     if rank is None:
         shutil.rmtree(folder, ignore_errors=True)
     else:
-        remove_stale_parts(checkpoint, rank, keep=set())
+        remove_stale_parts(checkpoint, rank, keep=set(), shards=shards)
 
 
 class SavedParts:

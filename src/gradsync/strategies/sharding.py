@@ -237,22 +237,43 @@ class NodeSharding:
         return {key: state} if key else state
 
     def write_sharded_state(self, folder: Any) -> dict:
-        """Every process writes its shards of the model and optimizer state under ``folder`` (DCP);
-        returns the manifest's facts about them."""
+        """Each node's processes write their shards of the model and optimizer state under
+        ``folder/node<k>`` (DCP over the node's own group, which holds a whole replica): a node's directory
+        is complete on its own, with no filesystem shared between nodes. Returns the manifest's facts."""
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(self._sharded_state(self._dcp_key(self.nodes_may_differ)), checkpoint_id=str(folder))
-        return {"shards": folder.name, "per_node": self.nodes_may_differ,
+        node = folder / f"node{self.topology.node_rank}"
+        try:
+            dcp.save(self._sharded_state(None), checkpoint_id=str(node), process_group=self.topology.intra)
+        except Exception as exc:  # DCP gathers every process's failure and raises on all of them alike
+            raise GradsyncError(f"checkpoint: the sharded state could not be written under {node} "
+                                f"({_first_line(exc)}); the previous checkpoint is intact") from None
+        return {"shards": folder.name, "per_node": self.nodes_may_differ, "node_dirs": True,
                 "num_nodes": self.topology.num_nodes, "procs_per_node": self.topology.procs_per_node}
 
     def read_sharded_state(self, folder: Any, manifest: dict) -> None:
-        """Load the model and optimizer shards from ``folder`` into this job's sharding (DCP reshards)."""
+        """Load the model and optimizer shards from ``folder`` into this job's sharding (DCP reshards):
+        this node's own replica, or node 0's for a node the checkpoint did not have."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        key = self._dcp_key(bool(manifest.get("per_node")), int(manifest.get("num_nodes", 1)))
+        if manifest.get("node_dirs"):
+            key, group = None, self.topology.intra
+            node = self.topology.node_rank
+            source = folder / f"node{node if node < int(manifest.get('num_nodes', 1)) else 0}"
+            if not (source / ".metadata").is_file():
+                raise GradsyncError(f"--resume: the sharded state {source} is missing or incomplete (no .metadata); "
+                                    "resume each node from its own --output-dir, or copy the checkpoints directory "
+                                    "of a node that has it")
+        else:  # written by an earlier gradsync: one DCP checkpoint across every node
+            key, group = self._dcp_key(bool(manifest.get("per_node")), int(manifest.get("num_nodes", 1))), None
+            source = folder
         state = self._sharded_state(key)
-        dcp.load(state, checkpoint_id=str(folder))
+        try:
+            dcp.load(state, checkpoint_id=str(source), process_group=group)
+        except Exception as exc:
+            raise GradsyncError(f"--resume: the sharded state under {source} could not be read "
+                                f"({_first_line(exc)})") from None
         state = state[key] if key else state
         set_state_dict(self.lightning_module, self.optimizers, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
@@ -287,3 +308,8 @@ class NodeSharding:
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         if not self.sharded:
             super().load_optimizer_state_dict(checkpoint)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
