@@ -51,3 +51,13 @@ def test_sharded_diloco_trains_from_the_cli_and_exports_one_state_dict(tmp_path,
     state = torch.load(out / "model.pt", weights_only=True)
     full.load_state_dict(state)  # strict: the unsharded module's every key
     assert any(not torch.equal(state[k], v) for k, v in fresh.state_dict().items())
+    # gradsync sample reads the sharded checkpoint: the recipe's own class (not FSDP2's generated FSDPCharGPT),
+    # its weights gathered from the shards
+    saved = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)
+    assert saved["gradsync_recipe"]["model_class"] == "gradsync.recipes.chargpt.CharGPT"
+    capsys.readouterr()
+    assert main(["sample", "--checkpoint", str(out), "--prompt", "def ", "--num-chars", "40",
+                 "--temperature", "0"]) == 0
+    text = capsys.readouterr().out
+    full.eval()
+    assert text == "def " + full.sample("def ", 40, temperature=0) + "\n"  # (print's newline)

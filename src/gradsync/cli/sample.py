@@ -59,7 +59,13 @@ def load_recipe(checkpoint: str | Path) -> Any:
         raise GradsyncError(f"--checkpoint {path}: cannot import its model class {class_path} ({exc})") from None
     model = cls(**dict(ckpt.get("hyper_parameters") or {}))
     model.on_load_checkpoint(ckpt)
-    model.load_state_dict(ckpt["state_dict"])
+    sharded = (ckpt.get("gradsync") or {}).get("sharded")
+    if sharded:  # --strategy.shard node: the model is in the shards the processes wrote
+        from gradsync.cli.export import consolidate
+
+        model.load_state_dict(consolidate(path, sharded))
+    else:
+        model.load_state_dict(ckpt["state_dict"])
     return model.eval()
 
 

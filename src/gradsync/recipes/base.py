@@ -243,7 +243,9 @@ class Recipe(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         # Lets tools (``gradsync sample``) rebuild the model from the file alone.
-        checkpoint["gradsync_recipe"] = {"model_class": f"{type(self).__module__}.{type(self).__qualname__}"}
+        # FSDP2 (--strategy.shard node) swaps the class for a generated FSDP<Name>: record the user's own
+        cls = next(c for c in type(self).__mro__ if not c.__module__.startswith("torch.distributed"))
+        checkpoint["gradsync_recipe"] = {"model_class": f"{cls.__module__}.{cls.__qualname__}"}
 
 
 class Throughput:
