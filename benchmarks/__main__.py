@@ -1,4 +1,4 @@
-"""python -m benchmarks SUITE [--quick] [--out DIR]   (SUITE: codecs, allreduce, overhead, slowlink, lowcomm, nodes, straggler, sharded, faults, all, report)
+"""python -m benchmarks SUITE [--quick] [--out DIR]   (SUITE: codecs, allreduce, overhead, slowlink, lowcomm, nodes, straggler, sharded, faults, soak, all, report)
 
 ``all`` runs every suite and then ``report``, which rebuilds benchmarks/RESULTS.md and the docs page
 docs/benchmarks.md (with the plots copied under docs/assets/benchmarks/) from the suites' outputs.
@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 SUITES = ("codecs", "convergence", "allreduce", "overhead", "slowlink", "lowcomm", "nodes", "straggler", "sharded",
-          "faults")
+          "faults", "soak")
 HERE = Path(__file__).parent
 
 
