@@ -404,6 +404,35 @@ def test_an_unreachable_lighthouse_fails_in_one_line(tmp_path, devices):
     assert "Traceback" not in r.stderr and r.stderr.count("gradsync: error:") == 1, r.stderr[-3000:]
 
 
+def _listening(port: int) -> set[str]:
+    """The local addresses a TCP socket listens on at ``port`` (from /proc/net/tcp and tcp6)."""
+    import ipaddress
+
+    found = set()
+    for table, width in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hexport = local.split(":")
+            if state == "0A" and int(hexport, 16) == port:  # LISTEN
+                raw = bytes.fromhex(address)
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # each 32-bit word is host order
+                found.add(str(ipaddress.ip_address(raw)))
+    return found
+
+
+def test_the_lighthouse_listens_on_the_address_it_names_not_every_interface(tmp_path):
+    import socket
+
+    lighthouse = _lighthouse(tmp_path, 1)
+    url = next(lighthouse)
+    try:
+        port = int(url.rsplit(":", 1)[1])
+        assert _listening(port) == {socket.gethostbyname(socket.gethostname())}, _listening(port)
+        assert not {"0.0.0.0", "::"} & _listening(port)
+    finally:
+        next(lighthouse, None)
+
+
 def test_a_silent_lighthouse_fails_in_one_line_within_the_default_timeout(tmp_path):
     """An address that accepts the connection and never answers (a wrong host behind a firewall looks the same)
     costs the default connect wait (10 s), not torchft's 60 s connect and 300 s quorum waits; the line names

@@ -29,7 +29,9 @@ def parser() -> argparse.ArgumentParser:
                    help="the fewest replica groups a round may average over (the first quorum waits for this "
                         "many); fewer than the number of groups, so the others go on when one dies")
     p.add_argument("--port", type=int, default=29510, help="TCP port to listen on (default 29510; 0: any free port)")
-    p.add_argument("--bind", default="[::]", help="address to listen on (default: every interface)")
+    p.add_argument("--bind", default=None,
+                   help="address to listen on (default: the address this host's name resolves to, the one the "
+                        "printed URL names; [::] for every interface)")
     # Longer than the heartbeat timeout: a dead group is not waited for once it is silent (2 s), while a live
     # one that is late (a busy machine) is, instead of being left out and healing a round later, losing its
     # local steps (faults benchmark, 1 s: a group that never died healed 8 times in 4 minutes).
@@ -51,6 +53,13 @@ def cmd_lighthouse(argv: Sequence[str], stop: Optional[threading.Event] = None) 
     if not 0 <= args.port < 65536:
         print(f"gradsync: error: --port {args.port}: must be a TCP port, 0..65535", file=sys.stderr)
         return 2
+    if args.bind is None:
+        try:  # the interface the printed address reaches, not every interface of the machine
+            args.bind = socket.gethostbyname(socket.gethostname())
+        except OSError as exc:
+            print(f"gradsync: error: this host's name {socket.gethostname()} does not resolve ({exc}); give --bind "
+                  "ADDRESS (the interface the replica groups reach)", file=sys.stderr)
+            return 2
     import_torchft()
     from torchft.coordination import LighthouseServer
 
@@ -62,7 +71,7 @@ def cmd_lighthouse(argv: Sequence[str], stop: Optional[threading.Event] = None) 
         print(f"gradsync: error: --port {args.port}: the lighthouse cannot listen on {args.bind}:{args.port} "
               f"({str(exc).splitlines()[0][:200]}); choose another --port", file=sys.stderr)
         return 2
-    address = server.address().replace("[::]", socket.gethostname())
+    address = server.address().replace("[::]", socket.gethostname()).replace("0.0.0.0", socket.gethostname())
     if args.address_file:
         from pathlib import Path
 
