@@ -111,6 +111,8 @@ def _optimizer_tensors(run_dir):
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     folder = parts_dir(run_dir / "checkpoints" / "last.ckpt") / sharded["shards"]
+    if sharded.get("node_dirs"):  # each node's replica in a folder of its own (a group is one node)
+        folder = folder / "node0"
     metadata = dcp.FileSystemReader(str(folder)).read_metadata()
     state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
              for key, meta in metadata.state_dict_metadata.items()
@@ -180,9 +182,10 @@ def test_a_killed_group_drops_out_rejoins_heals_and_ends_identical(tmp_path, lig
     taken = healed["steps_healed_over"]
     assert summaries[2]["resumed_from_step"] == 8
     # (into the round of either fragment: the one the others were in)
-    assert healed["heals"] == 1 and healed["heal_bytes"] > 0 and taken + 8 >= 20 and taken % 2 == 0, healed
-    # (the ledger resumed from the checkpoint holds any heal of the group's first process too)
-    assert summaries[2]["comm"]["other"]["heal"]["wire_bytes"] >= healed["heal_bytes"]
+    # (its figures carry over its first process's, as its ledger does: that one healed too if it started late)
+    assert 1 <= healed["heals"] <= 2 and healed["heal_bytes"] > 0 and taken + 8 >= 20, healed
+    # heal figures that add up across the restart: the membership line's bytes are the ledger's
+    assert summaries[2]["comm"]["other"]["heal"]["wire_bytes"] == healed["heal_bytes"]
     # after its first round every group holds the same model and the same algorithm state, bit for bit
     weights = [_weights(tmp_path / f"group{g}") for g in range(3)]
     for w in weights[1:]:

@@ -137,6 +137,19 @@ class Telemetry:
         pace = self.calm_seconds / self.calm_steps
         return min(1.0, self.steps_kept * pace / self.stepping_seconds)
 
+    #: What a checkpoint carries over to the group's next process (torchrun restarts it after a failure),
+    #: so that its figures count every process of the group, as its ledger's heal bytes do.
+    _CARRIED = ("rounds", "committed", "participants", "failures_seen", "heals", "heal_seconds", "heal_bytes",
+                "steps_healed_over", "uncommitted", "quorum_seconds")
+
+    def state_dict(self) -> dict:
+        return {name: (list(v) if isinstance(v := getattr(self, name), list) else v) for name in self._CARRIED}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name in self._CARRIED:
+            if name in state:
+                setattr(self, name, list(state[name]) if name == "participants" else type(getattr(self, name))(state[name]))
+
     def summary(self) -> dict:
         parts = self.participants
         goodput = self.goodput()

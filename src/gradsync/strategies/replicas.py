@@ -18,15 +18,10 @@ from gradsync.errors import GradsyncError, spell
 from gradsync.strategies.lightning_private import batches_that_stepped, set_batches_that_stepped
 
 
-#: Codecs whose state cannot follow a change of membership: PowerSGD's Q must be the same on every rank (a
-#: healed group's is not), and sign's second hop keeps a residual per rank's share of the world, which a
-#: quorum of another size reassigns.
-UNHEALABLE_CODECS = ("sign", "powersgd")
-
-
-def codec_across_groups(codec: str) -> tuple[bool, str, Any, Any]:
-    """The refusal entry (see :meth:`ReplicaGroupMember._unsupported_across_groups`) of a round's codec."""
-    return codec in UNHEALABLE_CODECS, "codec", codec, "int8"
+def codec_across_groups(codec: Any) -> tuple[bool, str, Any, Any]:
+    """The refusal entry (see :meth:`ReplicaGroupMember._unsupported_across_groups`) of a round's codec
+    (a :class:`~gradsync.comm.CodecSpec`): one whose state cannot follow a change of membership."""
+    return not codec.traits.survives_membership_change, "codec", codec.name, "int8"
 
 
 class ReplicaGroupMember:
@@ -74,8 +69,29 @@ class ReplicaGroupMember:
     def _new_replica_group(self) -> Any:
         from gradsync.comm.managed import ReplicaGroup
 
-        return ReplicaGroup(self.fault_tolerance, state_dict=self._heal_state, load_state_dict=self._heal,
-                            ledger=self.ledger)  # type: ignore[attr-defined]
+        group = ReplicaGroup(self.fault_tolerance, state_dict=self._heal_state, load_state_dict=self._heal,
+                             ledger=self.ledger)  # type: ignore[attr-defined]
+        if self._restored_telemetry is not None:  # the group's earlier processes' figures (a restart)
+            group.telemetry.load_state_dict(self._restored_telemetry)
+            self._restored_telemetry = None
+        return group
+
+    _restored_telemetry: Optional[dict] = None
+
+    # ---- checkpoints: the membership figures, with the ledger they agree with ----------------------
+    def algorithm_state_dict(self) -> dict:
+        state = super().algorithm_state_dict()  # type: ignore[misc]
+        if self.replicas is not None:
+            state["replica_telemetry"] = self.replicas.telemetry.state_dict()
+        return state
+
+    def load_algorithm_state_dict(self, state: dict) -> None:
+        super().load_algorithm_state_dict(state)  # type: ignore[misc]
+        if state.get("replica_telemetry") is not None:
+            if self.replicas is not None:
+                self.replicas.telemetry.load_state_dict(state["replica_telemetry"])
+            else:  # restored before the group is joined
+                self._restored_telemetry = state["replica_telemetry"]
 
     def _refuse_mismatch(self, fields: list[str], between: str) -> None:
         if fields:
