@@ -42,7 +42,7 @@ STRATEGIES: dict[str, tuple[str, str]] = {
     "diloco": ("gradsync.strategies.diloco.DiLoCoStrategy",
                "DiLoCo: local inner steps, outer Nesterov SGD on the averaged pseudo-gradient every `period` steps."),
     "compressed": ("gradsync.strategies.compressed.CompressedStrategy",
-                   "Compressed all-reduce: gradients sent as fp16, bf16, int8, int4, 1-bit sign, top-k or PowerSGD."),
+                   "Compressed all-reduce: gradients sent as fp16, bf16, int8, int4, sign, top-k, PowerSGD or sparse 2-bit."),
     "async_ps": ("gradsync.strategies.async_ps.AsyncPSStrategy",
                  "Asynchronous SGD through parameter-server shards, staleness bounded by `max_staleness`."),
 }

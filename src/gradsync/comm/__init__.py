@@ -122,10 +122,12 @@ class CodecSpec:
 
     @classmethod
     def parse(cls, name: str, given: dict[str, Any], error_feedback: Optional[bool], *,
-              feedback_by_default: tuple[str, ...] = LOSSY) -> "CodecSpec":
+              feedback_by_default: Optional[tuple[str, ...]] = LOSSY) -> "CodecSpec":
         """Validate ``name`` with the options ``given``; error feedback defaults to on for the codecs
-        in ``feedback_by_default`` and must not be asked of an exact codec."""
+        in ``feedback_by_default`` (None: the biased ones) and must not be asked of an exact codec."""
         check_codec_options(name, given)
+        if feedback_by_default is None:
+            feedback_by_default = tuple(n for n, c in REDUCERS.items() if c.biased)
         check(not (error_feedback and name not in LOSSY), "error_feedback", error_feedback,
               f"is not used by codec {name} (it is exact)", f"drop {spell('error_feedback')} or choose a lossy codec")
         feedback = (name in feedback_by_default) if error_feedback is None else bool(error_feedback)
@@ -145,6 +147,24 @@ class CodecSpec:
         """The codec, error feedback and the options it reads: what its state in a checkpoint belongs to."""
         read = {k: v for k, v in self.options.items() if self.name in CODEC_OPTIONS[k][1]}
         return {"name": self.name, "error_feedback": self.error_feedback, **read}
+
+    # ---- the codec's traits (see Reducer) ----------------------------------------------------------
+    @property
+    def traits(self) -> type[Reducer]:
+        """The codec's reducer class, whose class attributes are its traits (``spec.traits.masks_sent``)."""
+        return REDUCERS[self.name]
+
+    @property
+    def lossy(self) -> bool:
+        return self.traits.lossy
+
+    def keeps_memory(self) -> bool:
+        return self.traits.keeps_memory(self.error_feedback, self.options)
+
+    @staticmethod
+    def having(trait: str) -> tuple[str, ...]:
+        """The codecs with ``trait`` set, for messages that list them."""
+        return tuple(name for name, cls in REDUCERS.items() if getattr(cls, trait))
 
     def state_names(self) -> list[str]:
         """What a resume on another world size resets of this codec's state, in words."""

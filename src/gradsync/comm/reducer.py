@@ -46,6 +46,27 @@ class Reducer:
     codec: ClassVar[str] = ""
     #: True when the mean is approximate (error feedback applies).
     lossy: ClassVar[bool] = False
+    # ---- traits: what a strategy needs to know of a codec, read through CodecSpec (no name tests) ----
+    #: Its messages are biased, so ``compressed`` turns error feedback on by default.
+    biased: ClassVar[bool] = False
+    #: Coarse enough that error feedback compounds with the optimizer's momentum: ``compressed`` sends
+    #: the SGD velocity instead unless ``momentum_correction`` is off (DGC's momentum correction).
+    momentum_correctable: ClassVar[bool] = False
+    #: Its sparse messages mask the velocity where they were sent (DGC's momentum factor masking).
+    masks_sent: ClassVar[bool] = False
+    #: Its state follows a change of membership (a healed replica group, a quorum of another size).
+    survives_membership_change: ClassVar[bool] = True
+    #: Every rank's message is all-gathered and decoded (a round delivers a few entries of each chunk).
+    all_gathered: ClassVar[bool] = False
+    #: The error-feedback decay of a round (local SGD / DiLoCo) when none is given.
+    round_error_decay: ClassVar[float] = 1.0
+    #: Options that suit Adam-family optimizers, used where the user gave none.
+    adam_options: ClassVar[dict] = {}
+
+    @classmethod
+    def keeps_memory(cls, error_feedback: bool, options: dict) -> bool:
+        """Whether it carries state across steps that DDP's first, settling steps must not feed."""
+        return False
 
     def __init__(self, *, ledger: Optional[CommLedger] = None, group: Optional[dist.ProcessGroup] = None,
                  scope: str = "world") -> None:

@@ -1,8 +1,8 @@
 """``compressed``: synchronous data parallel whose gradients cross the network compressed.
 
 Every step is still a synchronous all-reduce of the mean gradient, but each DDP bucket travels
-through a codec (a reducer of :mod:`gradsync.comm`): fp16, bf16, int8, 1-bit sign, top-k or
-PowerSGD, the last three with error feedback. The codecs are DDP communication hooks, so
+through a codec (a reducer of :mod:`gradsync.comm`): fp16, bf16, int8, int4, 1-bit sign, top-k,
+PowerSGD or SparseLoCo's 2-bit top-k of each chunk, the last four with error feedback. The codecs are DDP communication hooks, so
 compression overlaps with the rest of the backward pass (no hook waits for a hop), and they run on
 CPU/gloo as well as CUDA/NCCL. See docs/strategies/compressed.md for the math, the bytes and when to use which.
 
@@ -40,15 +40,11 @@ from gradsync.strategies.replicas import QuorumPerStep, codec_across_groups
 from gradsync.strategies.sharding import Shard, ShardDtype
 
 
-#: Codecs whose error feedback ``compressed`` turns on by default. The others send an unbiased or
-#: nearly exact mean every step and run without it unless ``error_feedback`` is set.
-FEEDBACK_CODECS = ("sign", "topk", "powersgd", "sparseloco")
-
-#: Codecs that compress the SGD velocity rather than the gradient, unless ``momentum_correction``
-#: is off: their error feedback compounds with the optimizer's momentum otherwise (issue 17).
-MOMENTUM_CODECS = ("sign", "topk", "sparseloco")
-#: ... and those of them whose sparse messages mask the velocity where they sent (DGC).
-MASKING_CODECS = ("topk", "sparseloco")
+# What this strategy needs to know of a codec is a trait of the codec (gradsync.comm.reducer.Reducer):
+# error feedback is on by default for the biased ones (the others send an unbiased or nearly exact mean
+# every step); the momentum-correctable ones compress the SGD velocity rather than the gradient unless
+# momentum_correction is off (their error feedback compounds with the optimizer's momentum otherwise), and
+# of those, the ones whose sparse messages mask the velocity where they sent (DGC) say so.
 
 #: Warm-up steps when none are given: PowerSGD with error feedback or warm start follows torch's
 #: ``start_powerSGD_iter > 1`` rule; every other codec compresses from the first step.
@@ -58,11 +54,11 @@ POWERSGD_MIN_WARMUP = 2
 #: or AdamW, whose per-coordinate normalization divides what a rank-4 approximation drops by the
 #: small second moments of those coordinates. Chargpt (AdamW, 2 ranks, 80 / 160 steps): rank 4 ends
 #: 1.1% / 2.0% above sync's val_loss, rank 8 0.6% / 0.6%; on the 0.4M slow-link model 4.7% and 2.0%.
-POWERSGD_RANK, POWERSGD_ADAM_RANK = CODEC_OPTIONS["rank"][0], 8
+POWERSGD_RANK = CODEC_OPTIONS["rank"][0]  # (the Adam rank is the codec's: PowerSGDReducer.adam_options)
 
 
 class CompressedStrategy(QuorumPerStep, GradsyncStrategy):
-    """Compressed all-reduce: gradients sent as fp16, bf16, int8, int4, 1-bit sign, top-k or PowerSGD."""
+    """Compressed all-reduce: gradients sent as fp16, bf16, int8, int4, sign, top-k, PowerSGD or sparse 2-bit."""
 
     strategy_name = "compressed"
 
@@ -132,12 +128,13 @@ class CompressedStrategy(QuorumPerStep, GradsyncStrategy):
         self.codec_spec = CodecSpec.parse(codec, {
             "chunk_size": chunk_size, "fraction": fraction, "rank": POWERSGD_RANK if rank is None else rank,
             "warm_start": warm_start, "seed": seed, "sparse_chunk_size": sparse_chunk_size, "sparse_k": sparse_k,
-            "value_bits": value_bits, "error_decay": error_decay}, error_feedback, feedback_by_default=FEEDBACK_CODECS)
+            "value_bits": value_bits, "error_decay": error_decay}, error_feedback, feedback_by_default=None)
         error_feedback = self.codec_spec.error_feedback
-        check(momentum_correction or codec in MOMENTUM_CODECS, "momentum_correction", momentum_correction,
-              f"is not used by codec {codec} (only by {', '.join(MOMENTUM_CODECS)})",
-              f"drop {spell('momentum_correction')} or choose {spell('codec', MOMENTUM_CODECS[0])}")
-        has_memory = codec == "powersgd" and (error_feedback or warm_start)
+        correctable = CodecSpec.having("momentum_correctable")
+        check(momentum_correction or self.codec_spec.traits.momentum_correctable, "momentum_correction",
+              momentum_correction, f"is not used by codec {codec} (only by {', '.join(correctable)})",
+              f"drop {spell('momentum_correction')} or choose {spell('codec', correctable[0])}")
+        has_memory = self.codec_spec.keeps_memory()
         if warmup_steps is None:
             warmup_steps = POWERSGD_MIN_WARMUP if has_memory else 0
         check(isinstance(warmup_steps, int) and warmup_steps >= 0, "warmup_steps", warmup_steps,
@@ -152,7 +149,8 @@ class CompressedStrategy(QuorumPerStep, GradsyncStrategy):
         check(not (self.sharded and scope == "node"), "scope", scope,
               "is implied by shard node (FSDP2 reduces inside the node, the codec runs across nodes)",
               f"drop {spell('scope')}")
-        check(not (self.sharded and momentum_correction and codec in MOMENTUM_CODECS), "momentum_correction",
+        check(not (self.sharded and momentum_correction and self.codec_spec.traits.momentum_correctable),
+              "momentum_correction",
               True, f"is not available with shard node: codec {codec} compresses the gradient shards there",
               f"add {spell('momentum_correction', False)}")
         self._set_scope(scope, procs_per_node)
@@ -162,7 +160,7 @@ class CompressedStrategy(QuorumPerStep, GradsyncStrategy):
         self.schedule = Schedule(warmup_steps=warmup_steps)
         for option, value in self.codec_spec.options.items():
             setattr(self, option, value)
-        self._rank_given = rank is not None
+        self._given_options = {"rank"} if rank is not None else set()  # (the others have plain defaults)
         self.error_feedback = error_feedback
         self.momentum_correction = bool(momentum_correction)
         self._hook_state: Optional[ReducerHookState] = None
@@ -177,7 +175,7 @@ class CompressedStrategy(QuorumPerStep, GradsyncStrategy):
     @property
     def corrects_momentum(self) -> bool:
         """True when the codec is sent the SGD velocity (and the optimizer steps without momentum)."""
-        return self.momentum_correction and self.codec in MOMENTUM_CODECS
+        return self.momentum_correction and self.codec_spec.traits.momentum_correctable
 
     def _new_reducer(self, group: Any = None, scope: str = "world") -> Reducer:
         return self.codec_spec.build(ledger=self.ledger, group=group, scope=scope)
@@ -229,12 +227,12 @@ class CompressedStrategy(QuorumPerStep, GradsyncStrategy):
         if self.corrects_momentum:
             params = dict(self.lightning_module.named_parameters())
             # Masking needs to know where the codec sent: the node-scoped reducer does not say.
-            masking = self.codec in MASKING_CODECS and self.scope != "node"
+            masking = self.codec_spec.traits.masks_sent and self.scope != "node"
             # the warm-up and the codec's wrapper share every moment, so nothing restarts when compression does
             shared = dict(velocities=self._velocities, second_moments=self._second_moments,
                           adam_steps=self._adam_steps, grad_scale=self._local_gradient_scale)
             reducer = MomentumCorrection(reducer, settings=self._takeover.settings, params=params, masking=masking,
-                                         worker_feedback=self.codec in MASKING_CODECS,
+                                         worker_feedback=self.codec_spec.traits.masks_sent,
                                          **shared)
             warmup = MomentumCorrection(warmup, settings=self._takeover.settings, params=params, **shared)
         return reducer, warmup
@@ -242,16 +240,20 @@ class CompressedStrategy(QuorumPerStep, GradsyncStrategy):
     # ---- momentum correction: the optimizer's momentum, applied once ---------------------------
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
-        self._choose_powersgd_rank(trainer.optimizers)
+        self._choose_adam_options(trainer.optimizers)
 
-    def _choose_powersgd_rank(self, optimizers: list) -> None:
-        """PowerSGD without a given rank: 8 under Adam/AdamW, else 4. The optimizers exist only after
-        the DDP hook is registered, so the (still empty) reducers are rebuilt at the chosen rank."""
-        if self.codec != "powersgd" or self._rank_given:
+    def _choose_adam_options(self, optimizers: list) -> None:
+        """The codec's options for Adam-family optimizers where the user gave none (PowerSGD: rank 8, not
+        4). The optimizers exist only after the DDP hook is registered, so the (still empty) reducers are
+        rebuilt with them."""
+        if not any(isinstance(o, ADAM_OPTIMIZERS) for o in optimizers):
             return
-        rank = POWERSGD_ADAM_RANK if any(isinstance(o, ADAM_OPTIMIZERS) for o in optimizers) else POWERSGD_RANK
-        if rank != self.rank:
-            self.rank, self.codec_spec = rank, self.codec_spec.with_options(rank=rank)
+        adam = {k: v for k, v in self.codec_spec.traits.adam_options.items()
+                if k not in self._given_options and self.codec_spec.options.get(k) != v}
+        if adam:
+            for option, value in adam.items():
+                setattr(self, option, value)
+            self.codec_spec = self.codec_spec.with_options(**adam)
             if self._hook_state is not None:
                 self._hook_state.reducer, self._hook_state.warmup = self._build_reducers()
 
@@ -280,7 +282,7 @@ class CompressedStrategy(QuorumPerStep, GradsyncStrategy):
     _canonical_layout = True
 
     def _unsupported_across_groups(self) -> list:
-        return [*super()._unsupported_across_groups(), codec_across_groups(self.codec),
+        return [*super()._unsupported_across_groups(), codec_across_groups(self.codec_spec),
                 (self.corrects_momentum, "momentum_correction", True, False),
                 (self.schedule.warmup_steps != 0, "warmup_steps", self.schedule.warmup_steps, 0),
                 (self.scope != "world", "scope", self.scope, "world")]

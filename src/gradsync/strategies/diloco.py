@@ -43,13 +43,14 @@ from typing import Any, Optional
 import torch
 
 from gradsync.algorithms import OuterStep
+from gradsync.comm import REDUCERS
 from gradsync.algorithms.diloco import default_momentum_warmup, momentum_at
 from gradsync.errors import check, spell
 from gradsync.strategies.periodic import PeriodicAveragingStrategy
 
 #: The DiLoCo paper's outer step (Douillard et al. 2023).
 PAPER_OUTER = {"outer_lr": 0.7, "outer_momentum": 0.9}
-#: With the sparse codec: SparseLoCo's plain outer step (Sarfi et al. 2025, arXiv 2508.15706), the
+#: With an all-gathered (sparse) codec: SparseLoCo's plain outer step (Sarfi et al. 2025, arXiv 2508.15706), the
 #: decayed error-feedback residual (``error_decay`` 0.95) standing in for the momentum, at twice its
 #: learning rate. A round delivers only the top entries of each chunk and the replicas restart from
 #: the global parameters, so a step of 1 moves them less than the replicas moved; a step of 2 ends
@@ -110,7 +111,8 @@ class DiLoCoStrategy(PeriodicAveragingStrategy):
                 :class:`~gradsync.strategies.periodic.PeriodicAveragingStrategy`, and the DDP and
                 process-group options of :class:`~gradsync.strategies.base.GradsyncStrategy`.
         """
-        outer = SPARSE_OUTER if kwargs.get("codec") == "sparseloco" else PAPER_OUTER
+        traits = REDUCERS.get(kwargs.get("codec"))  # (None: identity; an unknown codec is refused with its options)
+        outer = SPARSE_OUTER if traits is not None and traits.all_gathered else PAPER_OUTER
         outer_lr = outer["outer_lr"] if outer_lr is None else outer_lr
         outer_momentum = outer["outer_momentum"] if outer_momentum is None else outer_momentum
         check(outer_lr > 0, "outer_lr", outer_lr, "must be > 0", f"the DiLoCo paper uses {spell('outer_lr', 0.7)}")

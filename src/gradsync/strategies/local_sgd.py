@@ -63,7 +63,7 @@ class LocalSGDStrategy(PeriodicAveragingStrategy):
         self._configure_streaming()
 
     def build_payload(self) -> LocalAverage:
-        return LocalAverage(sends_changes=self.codec != "identity")
+        return LocalAverage(sends_changes=self.codec_spec.lossy)
 
     @property
     def last_common(self) -> Optional[list[torch.Tensor]]:

@@ -57,6 +57,16 @@ class PowerSGDReducer(Reducer):
 
     codec = "powersgd"
     lossy = True
+    biased = True
+    # Q must be the same on every rank, and a healed group's is not
+    survives_membership_change = False
+    #: rank 8 under Adam / AdamW (see gradsync.strategies.compressed): their per-coordinate normalization
+    #: divides what a rank-4 approximation drops by small second moments
+    adam_options = {"rank": 8}
+
+    @classmethod
+    def keeps_memory(cls, error_feedback: bool, options: dict) -> bool:
+        return bool(error_feedback or options.get("warm_start"))  # torch's start_powerSGD_iter > 1 rule
 
     def __init__(self, *, rank: int = 4, warm_start: bool = True, seed: int = 0, **kwargs) -> None:
         """

@@ -187,6 +187,10 @@ class SignReducer(Reducer):
 
     codec = "sign"
     lossy = True
+    biased = True
+    momentum_correctable = True
+    # its second hop keeps a residual per rank's share of the world, which a quorum of another size reassigns
+    survives_membership_change = False
 
     def __init__(self, *, chunk_size: int = 512, reducer_feedback: bool = True, **kwargs) -> None:
         """

@@ -259,6 +259,15 @@ class SparseLoCoReducer(Reducer):
 
     codec = "sparseloco"
     lossy = True
+    biased = True
+    momentum_correctable = True
+    masks_sent = True
+    all_gathered = True
+    #: Rounds decay the error-feedback residual as SparseLoCo does (Sarfi et al. 2025): chargpt, 2 processes,
+    #: 400 steps, H = 8: val_loss 1.955 against 2.006 with the whole residual (local_sgd, and diloco with its
+    #: sparse outer step); diloco at H = 30: 2.137 against 2.205 with the paper's outer step and the whole
+    #: residual.
+    round_error_decay = 0.95
 
     def __init__(self, *, sparse_chunk_size: int = 4096, sparse_k: int = 64, value_bits: int = 2, **kwargs) -> None:
         """

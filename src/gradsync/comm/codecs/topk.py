@@ -170,6 +170,9 @@ class TopKReducer(Reducer):
 
     codec = "topk"
     lossy = True
+    biased = True
+    momentum_correctable = True
+    masks_sent = True
 
     def __init__(self, *, fraction: float = 0.01, **kwargs) -> None:
         """
