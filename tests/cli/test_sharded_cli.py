@@ -61,3 +61,6 @@ def test_sharded_diloco_trains_from_the_cli_and_exports_one_state_dict(tmp_path,
     text = capsys.readouterr().out
     full.eval()
     assert text == "def " + full.sample("def ", 40, temperature=0) + "\n"  # (print's newline)
+    # the checkpoint written after fit also holds the whole model: Lightning's load_from_checkpoint reads it
+    loaded = CharGPT.load_from_checkpoint(out / "checkpoints" / "last.ckpt", map_location="cpu")
+    assert all(torch.equal(loaded.state_dict()[k], state[k]) for k in state)

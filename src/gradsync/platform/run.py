@@ -393,6 +393,8 @@ def execute(spec: RunSpec) -> dict:
         if clock.last_val_step != training_steps(trainer) and is_overridden("validation_step", model):
             trainer.validate(model, datamodule=data, verbose=False)  # (a module without one has no validation)
         if spec.checkpoint_path is not None:
+            if hasattr(strategy, "full_model_in_checkpoint"):  # a sharded run's last.ckpt holds the model whole
+                strategy.full_model_in_checkpoint = True
             trainer.save_checkpoint(str(spec.checkpoint_path), weights_only=False)
     elif spec.command == "validate":
         trainer.validate(model, datamodule=data, ckpt_path=str(ckpt) if ckpt else None, verbose=False)

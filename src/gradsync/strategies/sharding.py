@@ -284,9 +284,25 @@ class NodeSharding:
         # a sharded checkpoint loads into the sharded module and its optimizer
         return self.sharded or super().restore_checkpoint_after_setup
 
+    #: Set for the checkpoint written once fit is over: it also holds the whole model, gathered inside each
+    #: node to its first process, so that ``load_from_checkpoint``, ``gradsync sample`` and ``torch.load``
+    #: read it as they read a replicated run's. Checkpoints during training hold only the shards (no gather
+    #: of the model per save; ``gradsync export`` consolidates them).
+    full_model_in_checkpoint: bool = False
+
     def lightning_module_state_dict(self) -> dict:
-        # the shards are written by every process (write_sharded_state), not gathered into rank 0's file
-        return {} if self.sharded else super().lightning_module_state_dict()
+        if not self.sharded:
+            return super().lightning_module_state_dict()
+        if not self.full_model_in_checkpoint:
+            return {}  # the shards are written by every process (write_sharded_state)
+        keep = self.topology is None or self.topology.local_rank == 0
+        state = {}
+        for name, value in self.lightning_module.state_dict().items():  # the same order on every process
+            whole = value.full_tensor() if hasattr(value, "full_tensor") else value  # (gathered in the node)
+            if keep:
+                state[name] = whole.detach().cpu()
+            del whole
+        return state
 
     def optimizer_state(self, optimizer: Any) -> dict:
         return {} if self.sharded else super().optimizer_state(optimizer)
