@@ -67,7 +67,7 @@ DDP_ARGUMENTS = ("accelerator", "parallel_devices", "cluster_environment", "chec
 def _ddp_wrapper_arguments() -> frozenset:
     """What ``DDPStrategy(**kwargs)`` passes on to ``DistributedDataParallel`` (Lightning sets the rest)."""
     params = inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
-    return frozenset(params) - {"self", "module", "device_ids", "output_device", "process_group", "device_mesh"}
+    return frozenset(params) - {"self", "module"}
 
 
 class GradsyncStrategy(RankCheckpointing, NodeSharding, NodeScope, CountedCollectives, DDPStrategy):
