@@ -99,3 +99,23 @@ def test_heal_bytes_count_every_tensor_of_the_state(tmp_path):
     in_lists = [t for t in tree_leaves([state["optimizers"], state["algorithm"]]) if isinstance(t, torch.Tensor)]
     assert in_lists and sum(t.nbytes for t in in_lists) > sum(t.nbytes for t in tree_leaves(state["module"]))
     assert _tensor_bytes(state) == sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_membership_figures_travel_with_the_checkpoint(make=SyncStrategy):
+    """A group torchrun restarts resumes its ledger from its checkpoint, heal bytes included; its membership
+    figures come back with it, so the summary's heals add up to the ledger's across the restart. (Every
+    strategy of a group takes this from ReplicaGroupMember; diloco's own state needs a set-up run.)"""
+    before = Telemetry(rounds=7, committed=6, participants=[3, 3, 2], failures_seen=1, heals=1, heal_seconds=0.4,
+                       heal_bytes=8_600_000, steps_healed_over=12, uncommitted=1, quorum_seconds=2.5)
+    saving = make()
+    saving.replicas = SimpleNamespace(telemetry=before)
+    state = saving.algorithm_state_dict()
+    for joined in (False, True):  # restored before the group joins (a restart), or into a joined group
+        restarted = make()
+        restarted.replicas = SimpleNamespace(telemetry=Telemetry()) if joined else None
+        restarted.load_algorithm_state_dict(state)
+        after = restarted.replicas.telemetry if joined else Telemetry()
+        if not joined:
+            after.load_state_dict(restarted._restored_telemetry)  # what joining the group applies
+        assert {k: v for k, v in after.summary().items() if k != "goodput"} == \
+            {k: v for k, v in before.summary().items() if k != "goodput"}
