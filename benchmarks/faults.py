@@ -216,6 +216,17 @@ def _recoveries(events: list[dict], key: str) -> list[tuple[float, int, int, flo
     return out
 
 
+def plot_steps(ax: Any, runs: dict[str, list[dict]]) -> None:
+    """Each run's global step against wall time, from its events (starts, deaths, ends)."""
+    for name, events in runs.items():
+        t0 = min(e["t"] for e in events if e["event"] == "first_step")
+        pts = sorted((e["t"] - t0, e["step"]) for e in events if e["event"] in ("first_step", "die", "end"))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=name)
+    ax.set_xlabel("wall time (s)")
+    ax.set_ylabel("global step")
+    ax.legend(fontsize=8)
+
+
 def _whole_corpus(model: list[str]) -> list[str]:
     i = model.index("--data.max_chars")
     return [*model[:i + 1], "4400000", *model[i + 2:]]
@@ -307,15 +318,5 @@ def run(out: Path, quick: bool = False, every: Optional[float] = None, seed: int
                 "fault_tolerance": {k: v.get("survivor", v["summary"]).get("strategy_stats", {}).get("fault_tolerance")
                                     for k, v in results.items()}}
 
-    def plot(ax: Any) -> None:
-        for name, r in results.items():
-            ev = r["events"]
-            t0 = min(e["t"] for e in ev if e["event"] == "first_step")
-            pts = sorted((e["t"] - t0, e["step"]) for e in ev if e["event"] in ("first_step", "die", "end"))
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=name)
-        ax.set_xlabel("wall time (s)")
-        ax.set_ylabel("global step")
-        ax.legend(fontsize=8)
-
-    rep.write(out, plot)
+    rep.write(out, lambda ax: plot_steps(ax, {name: r["events"] for name, r in results.items()}))
     return rep

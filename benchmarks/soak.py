@@ -105,15 +105,5 @@ def run(out: Path, quick: bool = False) -> Report:
                 "fault_tolerance": {k: v[0].get("survivor", v[0]["summary"]).get("strategy_stats", {})
                                     .get("fault_tolerance") for k, v in results.items()}}
 
-    def plot(ax: Any) -> None:
-        for name, (r, _) in results.items():
-            ev = r["events"]
-            t0 = min(e["t"] for e in ev if e["event"] == "first_step")
-            pts = sorted((e["t"] - t0, e["step"]) for e in ev if e["event"] in ("first_step", "die", "end"))
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=name)
-        ax.set_xlabel("wall time (s)")
-        ax.set_ylabel("global step")
-        ax.legend(fontsize=8)
-
-    rep.write(out, plot)
+    rep.write(out, lambda ax: faults.plot_steps(ax, {name: r["events"] for name, (r, _) in results.items()}))
     return rep
